@@ -1,0 +1,435 @@
+"""FP32 master weights for a module whose parameters live in half precision (pure torch, no Lightning).
+
+Life cycle, driven by :class:`~lightning_mpt.MPTPrecision`:
+
+1. :meth:`MasterWeights.convert` keeps each parameter's fp32 tensor as its master (no copy, so a master is never a
+   rounded half value) and gives the parameter a new half-precision tensor. Modules of ``keep_fp32`` types keep
+   fp32 parameters, which are their own masters.
+2. :meth:`MasterWeights.prepare` copies the half gradients into fresh fp32 master gradients and unscales them
+   with torch's fused AMP kernel (non-finite check included, no host sync).
+3. :meth:`MasterWeights.swap_in` points each parameter at its master for the duration of ``optimizer.step()``,
+   so the optimizer, its state, LR schedulers and hooks see one set of parameter objects that hold fp32 values
+   while they step; :meth:`MasterWeights.swap_out` refreshes the half weights from the masters in one foreach
+   copy.
+4. :meth:`MasterWeights.restore` gives the module its fp32 masters back.
+
+While converted, ``module.state_dict()`` returns the masters and ``module.load_state_dict()`` writes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+# parameters of these modules stay fp32: normalisation statistics and affine parameters are precision-sensitive
+DEFAULT_KEEP_FP32: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm* and their lazy variants
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+# modules with parameters whose ops torch.autocast does not cover: their floating inputs are cast to the weights
+_AUTOCAST_UNCOVERED = (nn.Bilinear, nn.RNNBase)
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class PreparedGrads:
+    """The gradients of one optimizer, unscaled into fp32, waiting for the step."""
+
+    params: list[Tensor] = field(default_factory=list)  # module parameters that have a separate master
+    masters: list[Tensor] = field(default_factory=list)
+    master_grads: list[Tensor] = field(default_factory=list)
+    half_grads: list[Tensor] = field(default_factory=list)
+    own_params: list[Tensor] = field(default_factory=list)  # parameters that are their own master (fp32)
+    found_inf: Optional[Tensor] = None  # 0-dim, > 0 when a gradient was non-finite; None when no gradients
+    swapped: bool = False  # whether the parameters hold their masters now
+    halves: list[Tensor] = field(default_factory=list)  # the parameters' half tensors while swapped
+    versions: list[int] = field(default_factory=list)  # of the grads last written, to notice edits by hooks
+
+    def all_params(self) -> list[Tensor]:
+        return self.params + self.own_params
+
+    def fp32_grads(self) -> list[Tensor]:
+        return self.master_grads + [p.grad for p in self.own_params]
+
+    def nonfinite_mask(self) -> Optional[Tensor]:
+        """Per-parameter flags (aligned with :meth:`all_params`) of non-finite gradients, on device, no sync."""
+        grads = self.fp32_grads()
+        if not grads:
+            return None
+        dev = grads[0].device
+        maxabs = [n.to(dev) for n in _foreach_by_device(grads, lambda ts: torch._foreach_norm(ts, math.inf))]
+        return ~torch.isfinite(torch.stack(maxabs))
+
+
+class MasterWeights:
+    """FP32 master copies of a module's half-precision parameters.
+
+    Args:
+        dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
+        keep_fp32: module types whose parameters stay fp32.
+        enabled: keep masters; ``False`` leaves the half weights as the only copy (steps update them directly).
+
+    Example::
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        mw = MasterWeights(torch.float16)
+        mw.convert(model)
+        assert model[0].weight.dtype == torch.float16 and model[1].weight.dtype == torch.float32
+        assert mw.master_of(model[0].weight).dtype == torch.float32
+        mw.restore()
+        assert model[0].weight.dtype == torch.float32
+    """
+
+    def __init__(
+        self, dtype: torch.dtype, keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32, enabled: bool = True
+    ) -> None:
+        if dtype not in HALF_DTYPES:
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        self.dtype = dtype
+        self.keep_fp32 = tuple(keep_fp32)
+        self.enabled = enabled
+        self._masters: dict[Tensor, Tensor] = {}
+        self._converted: dict[Tensor, None] = {}  # every parameter given a half tensor (an ordered set)
+        self._stash: dict[Tensor, tuple[Tensor, Optional[Tensor]]] = {}  # half data/grad while a load swaps in
+        self._stepped: dict[Tensor, Tensor] = {}  # parameter -> its half grad, whose master keeps the fp32 grad
+        self._names: dict[Tensor, str] = {}
+        self._handles: list[RemovableHandle] = []
+
+    # ------------------------------------------------------------------ conversion
+    def convert(self, module: nn.Module) -> nn.Module:
+        """Cast ``module``'s parameters to half precision in place, keeping the fp32 tensors as masters."""
+        if self._converted:
+            self.restore()
+        kept = {id(p) for m in module.modules() if isinstance(m, self.keep_fp32) for p in m.parameters()}
+        self._names = {p: name for name, p in module.named_parameters()}
+        owners: dict[nn.Module, list[str]] = defaultdict(list)
+        for mod in module.modules():
+            for name, p in mod.named_parameters(recurse=False):
+                if id(p) in kept or p in self._converted or not _castable(p):
+                    continue
+                owners[mod].append(name)
+                master = p.data if p.dtype == torch.float32 else p.data.float()
+                grad = p.grad
+                _point(p, master.to(self.dtype), None if grad is None else grad.to(self.dtype))
+                self._converted[p] = None
+                if self.enabled:
+                    self._masters[p] = master
+        for mod, names in owners.items():
+            self._handles.append(mod._register_state_dict_hook(_MasterStateDictHook(self, names)))
+            self._handles.append(
+                mod._register_load_state_dict_pre_hook(_MasterLoadHook(self, names), with_module=True)
+            )
+            if isinstance(mod, _AUTOCAST_UNCOVERED):
+                self._handles.append(mod.register_forward_pre_hook(_cast_inputs_to_weight))
+        return module
+
+    def restore(self) -> None:
+        """Give the converted parameters fp32 tensors again: their masters, or the values that other code wrote.
+
+        A half weight that no longer equals its rounded master was written from outside the optimizer step (for
+        example by a weight-averaging callback at the end of fit); it is taken as is.
+        """
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for p in self._converted:
+            master = self._masters.get(p)
+            data = p.data
+            if master is None or data.dtype != self.dtype or not torch.equal(data, master.to(data.device, data.dtype)):
+                master = data.float()
+            grad = p.grad
+            if grad is not None and grad is self._stepped.get(p) and master.grad is not None:
+                grad = master.grad  # the exact fp32 gradient of the last step
+            p.grad = None
+            p.data = master.to(data.device)
+            if grad is not None:
+                p.grad = grad.float()
+            master.grad = None
+        self._converted.clear()
+        self._masters.clear()
+        self._stepped.clear()
+
+    # ------------------------------------------------------------------ queries
+    def master_of(self, param: Tensor) -> Tensor:
+        """The fp32 tensor that the optimizer steps for ``param`` (``param`` itself when it has no master)."""
+        return self._masters.get(param, param)
+
+    def main_params(self, params: Iterable[Tensor]) -> list[Tensor]:
+        return [self._masters.get(p, p) for p in params]
+
+    def name_of(self, param: Tensor) -> str:
+        return self._names.get(param, f"<unnamed {tuple(param.shape)}>")
+
+    def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
+        """``(name, half parameter, master)`` for each converted parameter with a master."""
+        for p, m in self._masters.items():
+            yield self._names.get(p, ""), p, m
+
+    # ------------------------------------------------------------------ set-up after the module moved / was wrapped
+    def follow_devices(self) -> None:
+        """Move masters next to their parameters (the module may have moved since :meth:`convert`)."""
+        for p, m in list(self._masters.items()):
+            if m.device != p.device:
+                self._masters[p] = m.to(p.device)
+
+    def broadcast(self, src: int = 0) -> None:
+        """Make every process hold the masters of rank ``src`` (their half weights follow)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 or not self._masters:
+            return
+        masters = list(self._masters.values())
+        for group in _by_device(masters).values():
+            flat = torch._utils._flatten_dense_tensors(group)
+            dist.broadcast(flat, src=src)
+            torch._foreach_copy_(group, torch._utils._unflatten_dense_tensors(flat, group))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Write the masters into the half weights."""
+        if self._masters:
+            torch._foreach_copy_([p.data for p in self._masters], list(self._masters.values()))
+
+    def adopt_optimizer(self, optimizer: Optimizer) -> list[RemovableHandle]:
+        """Keep ``optimizer``'s state fp32: cast state it created for half parameters (Adagrad does so at
+        construction) and make ``load_state_dict`` see fp32 parameters, since torch casts loaded state to the
+        parameters' dtype."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                master = self._masters.get(p)
+                if master is None:
+                    continue
+                for k, v in optimizer.state.get(p, {}).items():
+                    if isinstance(v, Tensor) and v.dtype == self.dtype and v.shape == p.shape:
+                        optimizer.state[p][k] = v.to(master.dtype)
+        return [
+            optimizer.register_load_state_dict_pre_hook(self._swap_in_for_load),
+            optimizer.register_load_state_dict_post_hook(self._swap_out_after_load),
+        ]
+
+    def _swap_in_for_load(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        for p in _params_of(optimizer):
+            master = self._masters.get(p)
+            if master is not None and p not in self._stash:
+                self._stash[p] = (p.data, p.grad)
+                _point(p, master, None)
+
+    def _swap_out_after_load(self, optimizer: Optimizer) -> None:
+        for p in _params_of(optimizer):
+            if p in self._stash:
+                _point(p, *self._stash.pop(p))
+
+    # ------------------------------------------------------------------ the optimizer step
+    def prepare(self, params: Iterable[Tensor], scale: float) -> PreparedGrads:
+        """Copy half gradients into fp32 master gradients and unscale everything by ``1/scale``.
+
+        Gradients of fp32 parameters are unscaled in place. The half ``.grad`` receives the unscaled values too, so
+        hooks that read ``param.grad`` see true gradients. No host sync: ``found_inf`` stays on the device.
+        """
+        out = PreparedGrads()
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(
+                    f"MPTPrecision does not support sparse gradients (parameter {self.name_of(p)!r}); use dense "
+                    "embeddings (sparse=False)."
+                )
+            master = self._masters.get(p)
+            if master is None:
+                out.own_params.append(p)
+            else:
+                out.params.append(p)
+                out.masters.append(master)
+                out.half_grads.append(g)
+        out.master_grads = [torch.empty_like(m) for m in out.masters]
+        if out.masters:
+            torch._foreach_copy_(out.master_grads, out.half_grads)
+        out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale)
+        if scale != 1.0 and out.half_grads:
+            torch._foreach_copy_(out.half_grads, out.master_grads)
+        out.versions = [g._version for g in out.half_grads]
+        for m, g in zip(out.masters, out.master_grads):
+            m.grad = g
+        return out
+
+    def swap_in(self, prepared: PreparedGrads) -> None:
+        """Point each parameter at its master and fp32 gradient, for clipping and the optimizer's step.
+
+        A half gradient that hooks changed since :meth:`prepare` wrote it (in place or by assignment) is what the
+        user wants stepped: it is copied into the master gradient first.
+        """
+        for i, (p, g, v) in enumerate(zip(prepared.params, prepared.half_grads, prepared.versions)):
+            now = p.grad
+            if now is not g or now._version != v:
+                if now is None:
+                    prepared.master_grads[i].zero_()
+                else:
+                    prepared.master_grads[i].copy_(now)
+        prepared.halves = [p.data for p in prepared.params]
+        prepared.versions = [g._version for g in prepared.master_grads]
+        prepared.swapped = True
+        for p, m, g in zip(prepared.params, prepared.masters, prepared.master_grads):
+            _point(p, m, g)
+
+    @staticmethod
+    def regrad(prepared: PreparedGrads) -> None:
+        """After a re-evaluation inside the step (LBFGS), the backward wrote fp32 gradients on the masters."""
+        for p, m in zip(prepared.params, prepared.masters):
+            m.grad = p.grad
+
+    def swap_out(self, prepared: PreparedGrads, stepped: bool) -> None:
+        """Give the parameters their half tensors back and refresh them from the masters.
+
+        After a step (``stepped``) each master keeps the fp32 gradient it was stepped with, until
+        :meth:`drop_stepped_grads` (the plugin calls it when the next forward starts, so the fp32 gradients never
+        add to the activation peak).
+        """
+        for p, h, m, g, g0, v0 in zip(
+            prepared.params,
+            prepared.halves,
+            prepared.masters,
+            prepared.half_grads,
+            prepared.master_grads,
+            prepared.versions,
+        ):
+            now = p.grad
+            if now is not g0:  # re-evaluated inside the step (LBFGS): the latest gradient is the true one
+                g = None if now is None else now.to(self.dtype)
+            elif now._version != v0:  # clipped: the half gradient shows what was stepped
+                g.copy_(now)
+            _point(p, h, g)
+            if stepped and g is not None:
+                self._stepped[p] = g
+            else:
+                m.grad = None
+        if prepared.halves:
+            torch._foreach_copy_(prepared.halves, prepared.masters)
+        prepared.swapped = False
+
+    def drop_stepped_grads(self) -> None:
+        """Release the fp32 gradients that the masters kept from the last step."""
+        for p in self._stepped:
+            self._masters[p].grad = None
+        self._stepped.clear()
+
+    @staticmethod
+    def release(prepared: PreparedGrads, clear_grads: bool) -> None:
+        """Drop the fp32 master gradients; with ``clear_grads`` also the parameters' own gradients."""
+        for m in prepared.masters:
+            m.grad = None
+        if clear_grads:
+            for p in prepared.all_params():
+                p.grad = None
+
+
+class _MasterStateDictHook:
+    """``state_dict`` hook of one module: its converted parameters are saved as their fp32 masters."""
+
+    def __init__(self, owner: MasterWeights, names: list[str]) -> None:
+        self.owner, self.names = owner, names
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name in self.names:
+            key, p = prefix + name, module._parameters.get(name)
+            value = state_dict.get(key)
+            if p is None or value is None or isinstance(value, nn.Parameter):  # keep_vars=True: leave the objects
+                continue
+            master = self.owner._masters.get(p)
+            if master is not None:
+                state_dict[key] = master.detach()
+            elif p in self.owner._converted:
+                state_dict[key] = value.float()
+
+    def __deepcopy__(self, memo: dict) -> _MasterStateDictHook:
+        # a deep copy of the module (e.g. an averaged model) shares the hook; its own parameters are not ours
+        return self
+
+
+class _MasterLoadHook:
+    """``load_state_dict`` pre-hook of one module: loaded values go into the masters exactly."""
+
+    def __init__(self, owner: MasterWeights, names: list[str]) -> None:
+        self.owner, self.names = owner, names
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name in self.names:
+            p, value = module._parameters.get(name), state_dict.get(prefix + name)
+            master = self.owner._masters.get(p) if p is not None else None
+            if master is not None and isinstance(value, Tensor) and value.shape == master.shape:
+                with torch.no_grad():
+                    master.copy_(value)
+
+    def __deepcopy__(self, memo: dict) -> _MasterLoadHook:
+        return self
+
+
+def _castable(p: Tensor) -> bool:
+    return p.dtype == torch.float32 or p.dtype in HALF_DTYPES
+
+
+def _cast_inputs_to_weight(module: nn.Module, args: tuple) -> tuple:
+    return _cast_floating(args, next(module.parameters()).dtype)
+
+
+def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, tuple):
+        return tuple(_cast_floating(v, dtype) for v in x)
+    return x
+
+
+def _point(p: Tensor, data: Tensor, grad: Optional[Tensor]) -> None:
+    """Make parameter ``p`` hold ``data`` (possibly of another dtype) and ``grad``, keeping its identity."""
+    p.grad = None
+    p.data = data
+    if grad is not None:
+        p.grad = grad
+
+
+def _params_of(optimizer: Optimizer) -> Iterator[Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _by_device(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return groups
+
+
+def _foreach_by_device(tensors: list[Tensor], fn: Any) -> list[Tensor]:
+    """Apply a foreach function group by group (foreach kernels need one device and dtype) in input order."""
+    index = {id(t): i for i, t in enumerate(tensors)}
+    out: list[Optional[Tensor]] = [None] * len(tensors)
+    for group in _by_device(tensors).values():
+        for t, r in zip(group, fn(group)):
+            out[index[id(t)]] = r
+    return out  # type: ignore[return-value]
+
+
+def _unscale_(grads: list[Tensor], inv_scale: float) -> Optional[Tensor]:
+    """Multiply ``grads`` by ``inv_scale`` in place with the fused AMP kernel; return the non-finite flag."""
+    if not grads:
+        return None
+    found: Optional[Tensor] = None
+    for (device, _), group in _by_device(grads).items():
+        found_inf = torch.zeros((), device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, torch.full((), inv_scale, device=device))
+        found = found_inf if found is None else found + found_inf.to(found.device)
+    return found
