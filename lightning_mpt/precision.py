@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -143,6 +143,21 @@ class MPTPrecision(Precision):
     def last_step(self) -> Optional[StepRecord]:
         """The record of the latest optimizer step, or ``None`` before the first."""
         return self.history[-1] if self.history else None
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        """The half-precision format of the model's weights: ``torch.float16`` or ``torch.bfloat16``."""
+        return self._dtype
+
+    def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
+        """``(name, half parameter, fp32 master)`` for each parameter with a master (during a stage).
+
+        Example::
+
+            for name, param, master in plugin.named_masters():
+                print(name, param.dtype, master.dtype)   # e.g. "layer.weight torch.float16 torch.float32"
+        """
+        return self._masters.named_masters()
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
         """The fp32 tensors that ``optimizer`` steps: masters of half parameters, fp32 parameters themselves."""

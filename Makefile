@@ -1,0 +1,36 @@
+# Development entry points. Everything runs in a local virtual environment (.venv) that `make` creates.
+# On a GPU machine keep your CUDA torch: `make test TORCH_SPEC=torch` (or any pip spec).
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP      := $(VENV)/.installed
+
+.PHONY: demo test docs bench peer clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)  ## a short training run that writes a TensorBoard log with the "Mixed precision" dashboard
+	$(PY) examples/quickstart.py
+	@echo "open it with: $(VENV)/bin/tensorboard --logdir runs"
+
+test: $(STAMP)  ## the test suite and the strict documentation build
+	$(PY) -m pytest -q
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
+
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
+
+bench: $(STAMP)  ## speed and memory against Lightning's built-in precisions (see benchmarks/README.md)
+	$(PY) benchmarks/run_all.py
+
+peer: $(STAMP)  ## Lightning's own tests with MPTPrecision substituted (see docs/compatibility.md)
+	$(PY) -m pip install -q pytest-rerunfailures pytest-timeout scikit-learn
+	PY=$(PY) ../shared/peer/run_peer.sh $(LIGHTNING_TESTS)
+
+clean:
+	rm -rf $(VENV) build runs lightning_logs

@@ -1,0 +1,125 @@
+"""Tiny real models and a quiet Trainer factory shared by the tests (no mocks: real Lightning, real torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def quiet_trainer(**kwargs: Any) -> L.Trainer:
+    """A CPU Trainer without progress bar, summary, logger or checkpoints unless asked for."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+def regression_data(n: int = 64, d_in: int = 16, d_out: int = 4, seed: int = 0, batch_size: int = 16) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    w = torch.randn(d_in, d_out, generator=g) / d_in**0.5
+    y = x @ w + 0.01 * torch.randn(n, d_out, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def classification_images(n: int = 32, classes: int = 4, size: int = 8, seed: int = 0, batch_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = torch.randn(n, 3, size, size, generator=g) + y.view(-1, 1, 1, 1).float() * 0.5
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def token_data(n: int = 32, seq: int = 8, vocab: int = 16, seed: int = 0, batch_size: int = 8) -> DataLoader:
+    """Copy task: the target is the source sequence shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, vocab, (n, seq), generator=g)
+    return DataLoader(TensorDataset(x, torch.roll(x, 1, dims=1)), batch_size=batch_size, shuffle=False)
+
+
+class TinyMLP(L.LightningModule):
+    """Linear -> LayerNorm -> ReLU -> Linear regression model."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 4, lr: float = 1e-2, optimizer: str = "adam"):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class SmallCNN(L.LightningModule):
+    """Conv -> BatchNorm -> ReLU -> pool -> Linear classifier."""
+
+    def __init__(self, classes: int = 4, lr: float = 1e-2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2))
+        self.head = nn.Linear(32, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class TinyTransformer(L.LightningModule):
+    """Embedding + ``nn.Transformer`` (LayerNorm, softmax attention) on a sequence copy task."""
+
+    def __init__(self, vocab: int = 16, d_model: int = 16, lr: float = 3e-3):
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.transformer = nn.Transformer(
+            d_model=d_model, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32,
+            dropout=0.0, batch_first=True,
+        )
+        self.out = nn.Linear(d_model, vocab)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.out(self.transformer(self.embed(src), self.embed(tgt)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        src, tgt = batch
+        logits = self(src, tgt)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), src.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
