@@ -165,7 +165,9 @@ class MPTPrecision(Precision):
 
     # ------------------------------------------------------------------ model set-up and teardown
     def convert_module(self, module: Module) -> Module:
-        _check_strategy(module)
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None:
+            check_strategy(trainer.strategy)
         return self._masters.convert(module)
 
     def connect(
@@ -434,18 +436,16 @@ def _check_optimizer(optimizer: Optimizer) -> None:
         )
 
 
-def _check_strategy(module: Module) -> None:
-    trainer = getattr(module, "_trainer", None)
-    if trainer is None:
-        return
+def check_strategy(strategy: Any) -> None:
+    """Raise a clear error unless ``strategy`` is one that :class:`MPTPrecision` supports (one device or DDP)."""
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
     from lightning.pytorch.strategies import SingleDeviceXLAStrategy, XLAStrategy
 
-    strategy = trainer.strategy
     supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
     if not supported or isinstance(strategy, (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)):
         raise ValueError(
             f"MPTPrecision does not support the {type(strategy).__name__} strategy. Supported: a single device "
             "('auto' on one device) and the DDP family ('ddp', 'ddp_spawn', 'ddp_fork', 'ddp_notebook'). "
-            "Sharded strategies (FSDP, DeepSpeed, model parallel) bring their own mixed precision."
+            "Sharded strategies (FSDP, DeepSpeed, model parallel) bring their own mixed precision: use "
+            "Trainer(precision='16-mixed' or 'bf16-mixed') with them."
         )
