@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -123,3 +124,23 @@ class TinyTransformer(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class InjectInf(L.Callback):
+    """Writes an inf into one parameter's stored gradient after the backward of chosen batches or steps.
+
+    ``batches`` are batch indices within the epoch; ``steps`` are optimizer-step indices (``trainer.global_step``
+    during the step); ``rank`` limits the injection to one process.
+    """
+
+    def __init__(
+        self, param_name: str, batches: Optional[set[int]] = None, steps: Optional[set[int]] = None, rank: Optional[int] = None
+    ) -> None:
+        self.param_name, self.batches, self.steps, self.rank = param_name, batches or set(), steps or set(), rank
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self.rank is not None and trainer.global_rank != self.rank:
+            return
+        if trainer.fit_loop.epoch_loop.batch_idx in self.batches or trainer.global_step in self.steps:
+            grad = dict(module.named_parameters())[self.param_name].grad
+            grad.view(-1)[0] = math.inf

@@ -8,7 +8,16 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from models import SmallCNN, TinyMLP, TinyTransformer, classification_images, quiet_trainer, regression_data, token_data
+from models import (
+    InjectInf,
+    SmallCNN,
+    TinyMLP,
+    TinyTransformer,
+    classification_images,
+    quiet_trainer,
+    regression_data,
+    token_data,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -38,18 +47,6 @@ class Probe(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.after.append(self.snapshot(trainer, module))
-
-
-class InjectInf(L.Callback):
-    """Writes an inf into one parameter's stored gradient after the backward of the chosen batches."""
-
-    def __init__(self, param_name: str, batches: set[int]) -> None:
-        self.param_name, self.batches = param_name, batches
-
-    def on_after_backward(self, trainer, module):
-        if trainer.fit_loop.epoch_loop.batch_idx in self.batches:
-            grad = dict(module.named_parameters())[self.param_name].grad
-            grad.view(-1)[0] = math.inf
 
 
 # ---------------------------------------------------------------------------------------------------- dtypes, masters

@@ -1,0 +1,254 @@
+"""Checkpoints hold the fp32 masters and the plugin's state; resuming continues exactly; a killed run resumes;
+evaluation after fit runs under the plugin and on the masters."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import InjectInf, SmallCNN, TinyMLP, classification_images, quiet_trainer, regression_data
+
+from lightning_mpt import DynamicLossScaler, MPTPrecision
+
+HERE = Path(__file__).parent
+
+
+class SaveMasters(L.Callback):
+    """Clones the masters when a checkpoint is saved, to compare with what the file holds."""
+
+    def __init__(self) -> None:
+        self.at_save: dict[str, torch.Tensor] = {}
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        self.at_save = {name: m.detach().clone() for name, _, m in trainer.precision_plugin.named_masters()}
+
+
+def test_checkpoint_state_dict_holds_the_fp32_masters_bit_for_bit(tmp_path):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    grab = SaveMasters()
+    plugin = MPTPrecision("fp16", scaler=512.0)
+    trainer = quiet_trainer(max_steps=3, plugins=[plugin], callbacks=[grab])
+    trainer.fit(model, classification_images())
+    trainer.save_checkpoint(tmp_path / "end.ckpt")  # after fit: masters are the module's weights
+    ckpt_mid = tmp_path / "mid.ckpt"
+
+    class SaveMid(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            if trainer.global_step == 2:
+                trainer.save_checkpoint(ckpt_mid)
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    quiet_trainer(max_steps=3, plugins=[MPTPrecision("fp16", scaler=512.0)], callbacks=[grab, SaveMid()]).fit(
+        model, classification_images()
+    )
+    saved = torch.load(ckpt_mid, weights_only=False)
+    assert grab.at_save.keys() == {"features.0.weight", "features.0.bias", "head.weight", "head.bias"}
+    for name, master in grab.at_save.items():
+        assert saved["state_dict"][name].dtype == torch.float32
+        assert torch.equal(saved["state_dict"][name], master)
+        assert not torch.equal(master, master.half().float())  # a real fp32 value, not a rounded half one
+    # norm layers and buffers are fp32 too
+    assert all(v.dtype == torch.float32 for k, v in saved["state_dict"].items() if v.is_floating_point())
+    assert saved["MPTPrecision"]["scaler"]["scale"] == 512.0
+    # a plain fp32 module, no plugin, loads it with no loss
+    plain = SmallCNN()
+    plain.load_state_dict(saved["state_dict"])
+    for name, master in grab.at_save.items():
+        assert torch.equal(plain.state_dict()[name], master)
+    assert torch.equal(SmallCNN.load_from_checkpoint(ckpt_mid).head.weight, grab.at_save["head.weight"])
+
+
+def test_weights_only_checkpoint_holds_masters(tmp_path):
+    torch.manual_seed(0)
+    grab = SaveMasters()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_weights_only=True, every_n_train_steps=2, save_top_k=-1)
+    trainer = quiet_trainer(
+        max_steps=2, plugins=[MPTPrecision("bf16")], callbacks=[grab, ckpt], enable_checkpointing=True
+    )
+    trainer.fit(TinyMLP(), regression_data())
+    (path,) = tmp_path.glob("*.ckpt")
+    saved = torch.load(path, weights_only=False)
+    assert "MPTPrecision" not in saved  # weights only
+    for name, master in grab.at_save.items():
+        assert torch.equal(saved["state_dict"][name], master)
+
+
+# ---------------------------------------------------------------------------------------------------- exact resume
+
+
+def make_plugin() -> MPTPrecision:
+    return MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2))
+
+
+def run(tmp_path: Path, epochs: int, ckpt_path=None, inject=frozenset({1, 4, 5})) -> tuple[L.Trainer, TinyMLP, MPTPrecision]:
+    torch.manual_seed(0)
+    model = TinyMLP(lr=1e-2)
+    plugin = make_plugin()
+    trainer = quiet_trainer(
+        max_epochs=epochs,
+        plugins=[plugin],
+        callbacks=[InjectInf("net.0.weight", steps=set(inject))],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, regression_data(n=96), ckpt_path=ckpt_path)  # 6 steps per epoch
+    return trainer, model, plugin
+
+
+def plugin_state(plugin: MPTPrecision) -> tuple:
+    s = plugin.scaler
+    return (plugin.loss_scale, plugin.skipped_steps, s.growth_tracker, s.hysteresis_tracker, plugin.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("inject", "what"),
+    [({1, 4, 5}, "right after a skipped step, hysteresis pending"), ({1, 3}, "in the middle of a growth interval")],
+)
+def test_resume_is_bitwise_identical_to_the_uninterrupted_run(tmp_path, inject, what):
+    straight_trainer, straight, straight_plugin = run(tmp_path / "straight", epochs=2, inject=inject)
+
+    first_trainer, _, first_plugin = run(tmp_path / "first", epochs=1, inject=inject)
+    ckpt = tmp_path / "first.ckpt"
+    first_trainer.save_checkpoint(ckpt)
+    s = first_plugin.scaler
+    if 5 in inject:
+        assert first_plugin.last_step_skipped and s.hysteresis_tracker == 1
+    else:
+        assert 0 < s.growth_tracker < s.growth_interval
+
+    resumed_trainer, resumed, resumed_plugin = run(tmp_path / "resumed", epochs=2, ckpt_path=ckpt, inject=inject)
+    assert resumed_trainer.global_step == straight_trainer.global_step == 12
+    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+    opt_a, opt_b = straight_trainer.optimizers[0].state_dict(), resumed_trainer.optimizers[0].state_dict()
+    for k in opt_a["state"]:
+        for name, v in opt_a["state"][k].items():
+            assert torch.equal(v, opt_b["state"][k][name]), (k, name)
+    assert plugin_state(straight_plugin) == plugin_state(resumed_plugin)
+
+
+# ---------------------------------------------------------------------------------------------------- SIGKILL
+
+KILL_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import TinyMLP, regression_data, quiet_trainer
+from lightning_mpt import MPTPrecision
+
+class Slow(L.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 7 and {slow}:  # ModelCheckpoint (run last) saved step 6
+            print("READY", flush=True)
+            time.sleep(60)   # the test kills us here
+
+torch.manual_seed(0)
+ckpt = ModelCheckpoint(dirpath={ckpt_dir!r}, save_last=True, every_n_train_steps=2)
+trainer = quiet_trainer(max_steps=12, plugins=[MPTPrecision("fp16")], callbacks=[ckpt, Slow()],
+                        enable_checkpointing=True, logger=L.pytorch.loggers.CSVLogger({log_dir!r}), log_every_n_steps=1)
+last = {ckpt_dir!r} + "/last.ckpt"
+import os
+trainer.fit(TinyMLP(), regression_data(n=400), ckpt_path=last if os.path.exists(last) else None)
+print("DONE", trainer.global_step, trainer.precision_plugin.loss_scale, flush=True)
+"""
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+    ckpt_dir, log_dir = str(tmp_path / "ckpt"), str(tmp_path / "logs")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(KILL_SCRIPT.format(tests=str(HERE), ckpt_dir=ckpt_dir, log_dir=log_dir, slow=True)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and "READY" not in (proc.stdout.readline() or ""):
+        pass
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    last = torch.load(Path(ckpt_dir) / "last.ckpt", weights_only=False)  # readable, not corrupted
+    assert last["global_step"] == 6 and last["MPTPrecision"]["scaler"]["scale"] > 0
+    assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in last["state_dict"].values())
+
+    script.write_text(textwrap.dedent(KILL_SCRIPT.format(tests=str(HERE), ckpt_dir=ckpt_dir, log_dir=log_dir, slow=False)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "DONE 12" in out.stdout
+    final = torch.load(Path(ckpt_dir) / "last.ckpt", weights_only=False)
+    assert final["global_step"] == 12
+    # nothing is corrupted: every checkpoint loads, every metrics file is well-formed CSV
+    for path in Path(ckpt_dir).glob("*.ckpt"):
+        assert torch.load(path, weights_only=False)["global_step"] in (2, 4, 6, 8, 10, 12)
+    metrics = sorted(Path(log_dir).rglob("metrics.csv"))
+    assert metrics
+    for path in metrics:
+        rows = list(csv.DictReader(path.open()))
+        assert rows and all(len(r) == len(rows[0]) and None not in r for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+
+
+class EvalModel(TinyMLP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eval_dtypes: list[tuple[str, torch.dtype, torch.dtype]] = []
+
+    def _record(self, stage, batch):
+        out = self(batch[0])
+        self.eval_dtypes.append((stage, self.net[0].weight.dtype, out.dtype))
+        return out
+
+    def validation_step(self, batch, batch_idx):
+        out = self._record("val", batch)
+        self.log("val_loss", torch.nn.functional.mse_loss(out.float(), batch[1]))
+
+    def test_step(self, batch, batch_idx):
+        out = self._record("test", batch)
+        self.log("test_loss", torch.nn.functional.mse_loss(out.float(), batch[1]))
+
+    def predict_step(self, batch, batch_idx):
+        return self._record("predict", batch)
+
+
+def test_validate_test_predict_after_fit_run_under_the_plugin_on_the_masters(tmp_path):
+    torch.manual_seed(0)
+    model = EvalModel()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=1)
+    plugin = MPTPrecision("bf16")
+    trainer = quiet_trainer(max_epochs=3, plugins=[plugin], callbacks=[ckpt], enable_checkpointing=True)
+    data = regression_data(n=64)
+    trainer.fit(model, data, data)
+    model.eval_dtypes.clear()
+    trainer.validate(model, data)
+    trainer.test(model, data)
+    preds = trainer.predict(model, data)
+    stages = {s for s, _, _ in model.eval_dtypes}
+    assert stages == {"val", "test", "predict"}
+    assert {(w, o) for _, w, o in model.eval_dtypes} == {(torch.bfloat16, torch.bfloat16)}  # half weights, autocast
+    assert preds[0].dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 again after each stage
+
+    # test(ckpt_path="best") evaluates the fp32 masters saved in the best checkpoint
+    best = torch.load(ckpt.best_model_path, weights_only=False)["state_dict"]
+    model.eval_dtypes.clear()
+    result = trainer.test(model, data, ckpt_path="best")[0]
+    reference = EvalModel()
+    reference.load_state_dict(best)
+    for name, value in best.items():
+        assert torch.equal(model.state_dict()[name], value)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = sum(torch.nn.functional.mse_loss(reference(x.bfloat16()).float(), y) * len(x) for x, y in data) / 64
+    assert result["test_loss"] == pytest.approx(expected.item(), rel=2e-2)
+    # and the module works as a plain fp32 model
+    x, _ = next(iter(data))
+    assert model(x).dtype == torch.float32
