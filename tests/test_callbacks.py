@@ -181,6 +181,7 @@ class Dropper(L.LightningModule):
         self.l1, self.bn, self.drop, self.l2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.5), nn.Linear(32, 4)
         self.mean_loss = torchmetrics.MeanMetric()
         self.draws: list[float] = []
+        self.draws_after: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -190,6 +191,9 @@ class Dropper(L.LightningModule):
         self.log("calls", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
         self.log("mean_loss", self.mean_loss, on_step=False, on_epoch=True)
         return loss
+
+    def on_after_backward(self) -> None:
+        self.draws_after.append(torch.rand(()).item())  # between the step's forward and the reference re-run
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -210,6 +214,7 @@ def test_reference_leaves_no_trace(tmp_path):
     # the re-run replays each batch's RNG state: its draw equals the real call's, and training continues unchanged
     real, replayed = watched.draws[0::2], watched.draws[1::2]
     assert len(watched.draws) == 8 and real == replayed == plain.draws
+    assert watched.draws_after == plain.draws_after
     # weights, BatchNorm statistics, optimizer state and logged metrics are those of the run without the monitor
     for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
         assert torch.equal(a, b), name
@@ -250,8 +255,11 @@ class ReferenceProbe(L.Callback):
         x, y = self.batch
         loss = nn.functional.mse_loss(fresh(x), y) * 2e-6 / trainer.accumulate_grad_batches
         grads = torch.autograd.grad(loss, [dict(fresh.named_parameters())[n] for n in HALF_PARAMS])
+        measured = self.monitor.last_reference
         expected = flush_counts(grads, plugin.loss_scale, FP16)[:, 1].tolist()
-        self.pairs.append((expected, self.monitor.last_reference.local_flushed.tolist()))
+        self.pairs.append((expected, measured.local_flushed.tolist()))
+        top = torch.stack([g.abs().max() for g in grads]) * plugin.loss_scale
+        torch.testing.assert_close(measured.max_scaled, top, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
