@@ -7,10 +7,12 @@ Life cycle, driven by :class:`~lightning_mpt.MPTPrecision`:
    fp32 parameters, which are their own masters.
 2. :meth:`MasterWeights.prepare` copies the half gradients into fresh fp32 master gradients and unscales them
    with torch's fused AMP kernel (non-finite check included, no host sync).
-3. :meth:`MasterWeights.swap_in` points each parameter at its master for the duration of ``optimizer.step()``,
-   so the optimizer, its state, LR schedulers and hooks see one set of parameter objects that hold fp32 values
-   while they step; :meth:`MasterWeights.swap_out` refreshes the half weights from the masters in one foreach
-   copy.
+3. :meth:`MasterWeights.enter` puts the masters into the optimizer's ``param_groups`` (its state follows them)
+   for clipping and ``optimizer.step()``, and, where torch allows a gradient of another dtype
+   (``Tensor.grad_dtype``), shows the fp32 master gradients on the module's parameters too, so clipping hooks that
+   walk ``module.parameters()`` act on what gets stepped. :meth:`MasterWeights.exit` undoes that and refreshes the
+   half weights from the masters in one foreach copy. The parameters' data never changes dtype during training:
+   that would reset their autograd gradient accumulators and detach DDP's hooks.
 4. :meth:`MasterWeights.restore` gives the module its fp32 masters back.
 
 While converted, ``module.state_dict()`` returns the masters and ``module.load_state_dict()`` writes them.
@@ -44,6 +46,10 @@ _AUTOCAST_UNCOVERED = (nn.Bilinear, nn.RNNBase)
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
+# torch >= 2.13 lets a parameter hold a gradient of another dtype (``Tensor.grad_dtype = None``). A dtype set
+# there stays pinned, so converted parameters get ``None`` once and keep it: gradients of any dtype are accepted.
+_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
+
 
 @dataclass
 class PreparedGrads:
@@ -55,9 +61,9 @@ class PreparedGrads:
     half_grads: list[Tensor] = field(default_factory=list)
     own_params: list[Tensor] = field(default_factory=list)  # parameters that are their own master (fp32)
     found_inf: Optional[Tensor] = None  # 0-dim, > 0 when a gradient was non-finite; None when no gradients
-    swapped: bool = False  # whether the parameters hold their masters now
-    halves: list[Tensor] = field(default_factory=list)  # the parameters' half tensors while swapped
-    versions: list[int] = field(default_factory=list)  # of the grads last written, to notice edits by hooks
+    entered: bool = False  # whether the optimizer holds the masters now
+    half_versions: list[int] = field(default_factory=list)  # of the half grads as written, to notice edits by hooks
+    master_versions: list[int] = field(default_factory=list)  # of the master grads at enter, to notice clipping
 
     def all_params(self) -> list[Tensor]:
         return self.params + self.own_params
@@ -103,8 +109,8 @@ class MasterWeights:
         self.keep_fp32 = tuple(keep_fp32)
         self.enabled = enabled
         self._masters: dict[Tensor, Tensor] = {}
+        self._param_of: dict[Tensor, Tensor] = {}  # master -> parameter
         self._converted: dict[Tensor, None] = {}  # every parameter given a half tensor (an ordered set)
-        self._stash: dict[Tensor, tuple[Tensor, Optional[Tensor]]] = {}  # half data/grad while a load swaps in
         self._stepped: dict[Tensor, Tensor] = {}  # parameter -> its half grad, whose master keeps the fp32 grad
         self._names: dict[Tensor, str] = {}
         self._handles: list[RemovableHandle] = []
@@ -125,9 +131,12 @@ class MasterWeights:
                 master = p.data if p.dtype == torch.float32 else p.data.float()
                 grad = p.grad
                 _point(p, master.to(self.dtype), None if grad is None else grad.to(self.dtype))
+                if _GRAD_DTYPE:
+                    p.grad_dtype = None  # may carry its fp32 master gradient while clipping (see enter())
                 self._converted[p] = None
                 if self.enabled:
                     self._masters[p] = master
+                    self._param_of[master] = p
         for mod, names in owners.items():
             self._handles.append(mod._register_state_dict_hook(_MasterStateDictHook(self, names)))
             self._handles.append(
@@ -161,6 +170,7 @@ class MasterWeights:
             master.grad = None
         self._converted.clear()
         self._masters.clear()
+        self._param_of.clear()
         self._stepped.clear()
 
     # ------------------------------------------------------------------ queries
@@ -184,7 +194,9 @@ class MasterWeights:
         """Move masters next to their parameters (the module may have moved since :meth:`convert`)."""
         for p, m in list(self._masters.items()):
             if m.device != p.device:
-                self._masters[p] = m.to(p.device)
+                del self._param_of[m]
+                self._masters[p] = m = m.to(p.device)
+                self._param_of[m] = p
 
     def broadcast(self, src: int = 0) -> None:
         """Make every process hold the masters of rank ``src`` (their half weights follow)."""
@@ -204,32 +216,34 @@ class MasterWeights:
 
     def adopt_optimizer(self, optimizer: Optimizer) -> list[RemovableHandle]:
         """Keep ``optimizer``'s state fp32: cast state it created for half parameters (Adagrad does so at
-        construction) and make ``load_state_dict`` see fp32 parameters, since torch casts loaded state to the
-        parameters' dtype."""
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                master = self._masters.get(p)
-                if master is None:
-                    continue
-                for k, v in optimizer.state.get(p, {}).items():
-                    if isinstance(v, Tensor) and v.dtype == self.dtype and v.shape == p.shape:
-                        optimizer.state[p][k] = v.to(master.dtype)
-        return [
-            optimizer.register_load_state_dict_pre_hook(self._swap_in_for_load),
-            optimizer.register_load_state_dict_post_hook(self._swap_out_after_load),
-        ]
-
-    def _swap_in_for_load(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        construction) and let ``load_state_dict`` see the masters, since torch casts loaded state to the dtype of
+        the parameters it finds in ``param_groups``."""
         for p in _params_of(optimizer):
             master = self._masters.get(p)
-            if master is not None and p not in self._stash:
-                self._stash[p] = (p.data, p.grad)
-                _point(p, master, None)
+            if master is None:
+                continue
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, Tensor) and v.dtype == self.dtype and v.shape == p.shape:
+                    optimizer.state[p][k] = v.to(master.dtype)
+        return [
+            optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: self.swap_groups(opt, True)),
+            optimizer.register_load_state_dict_post_hook(lambda opt: self.swap_groups(opt, False)),
+        ]
 
-    def _swap_out_after_load(self, optimizer: Optimizer) -> None:
-        for p in _params_of(optimizer):
-            if p in self._stash:
-                _point(p, *self._stash.pop(p))
+    def swap_groups(self, optimizer: Optimizer, to_masters: bool) -> None:
+        """Put the masters (or back the parameters) into ``optimizer.param_groups``, in place, with their state.
+
+        In place, because optimizers such as LBFGS keep a reference to the group's list.
+        """
+        state = optimizer.state
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, x in enumerate(params):
+                y = self._masters.get(x) if to_masters else self._param_of.get(x)
+                if y is not None:
+                    params[i] = y
+                    if x in state:
+                        state[y] = state.pop(x)
 
     # ------------------------------------------------------------------ the optimizer step
     def prepare(self, params: Iterable[Tensor], scale: float) -> PreparedGrads:
@@ -261,64 +275,59 @@ class MasterWeights:
         out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale)
         if scale != 1.0 and out.half_grads:
             torch._foreach_copy_(out.half_grads, out.master_grads)
-        out.versions = [g._version for g in out.half_grads]
+        out.half_versions = [g._version for g in out.half_grads]
         for m, g in zip(out.masters, out.master_grads):
             m.grad = g
         return out
 
-    def swap_in(self, prepared: PreparedGrads) -> None:
-        """Point each parameter at its master and fp32 gradient, for clipping and the optimizer's step.
+    def sync_edits(self, prepared: PreparedGrads) -> None:
+        """Copy into the master gradients the half gradients that hooks changed (in place or by assignment) since
+        :meth:`prepare` wrote them: what the user edited is what gets stepped."""
+        for i, (p, g, v) in enumerate(zip(prepared.params, prepared.half_grads, prepared.half_versions)):
+            now, master_grad = p.grad, prepared.master_grads[i]
+            if now is master_grad or (now is g and g._version == v):
+                continue
+            if now is None:
+                master_grad.zero_()
+            else:
+                master_grad.copy_(now)
+            if now is g:
+                prepared.half_versions[i] = g._version
 
-        A half gradient that hooks changed since :meth:`prepare` wrote it (in place or by assignment) is what the
-        user wants stepped: it is copied into the master gradient first.
+    def enter(self, optimizer: Optimizer, prepared: PreparedGrads) -> None:
+        """Hand the masters to ``optimizer`` for clipping and its step; show their fp32 gradients on the module."""
+        self.sync_edits(prepared)
+        self.swap_groups(optimizer, True)
+        if _GRAD_DTYPE:
+            for p, g in zip(prepared.params, prepared.master_grads):
+                p.grad = g
+        prepared.master_versions = [g._version for g in prepared.master_grads]
+        prepared.entered = True
+
+    def exit(self, optimizer: Optimizer, prepared: PreparedGrads, stepped: bool) -> None:
+        """Give ``optimizer`` its parameters back and refresh the half weights from the masters.
+
+        The half gradients show what was stepped (clipped values included). After a step (``stepped``) each master
+        keeps the fp32 gradient it was stepped with until :meth:`drop_stepped_grads`: the plugin drops them when the
+        next forward starts, so they never add to the activation peak.
         """
-        for i, (p, g, v) in enumerate(zip(prepared.params, prepared.half_grads, prepared.versions)):
-            now = p.grad
-            if now is not g or now._version != v:
-                if now is None:
-                    prepared.master_grads[i].zero_()
-                else:
-                    prepared.master_grads[i].copy_(now)
-        prepared.halves = [p.data for p in prepared.params]
-        prepared.versions = [g._version for g in prepared.master_grads]
-        prepared.swapped = True
-        for p, m, g in zip(prepared.params, prepared.masters, prepared.master_grads):
-            _point(p, m, g)
-
-    @staticmethod
-    def regrad(prepared: PreparedGrads) -> None:
-        """After a re-evaluation inside the step (LBFGS), the backward wrote fp32 gradients on the masters."""
-        for p, m in zip(prepared.params, prepared.masters):
-            m.grad = p.grad
-
-    def swap_out(self, prepared: PreparedGrads, stepped: bool) -> None:
-        """Give the parameters their half tensors back and refresh them from the masters.
-
-        After a step (``stepped``) each master keeps the fp32 gradient it was stepped with, until
-        :meth:`drop_stepped_grads` (the plugin calls it when the next forward starts, so the fp32 gradients never
-        add to the activation peak).
-        """
-        for p, h, m, g, g0, v0 in zip(
-            prepared.params,
-            prepared.halves,
-            prepared.masters,
-            prepared.half_grads,
-            prepared.master_grads,
-            prepared.versions,
+        self.swap_groups(optimizer, False)
+        for p, m, g, mg, v in zip(
+            prepared.params, prepared.masters, prepared.half_grads, prepared.master_grads, prepared.master_versions
         ):
-            now = p.grad
-            if now is not g0:  # re-evaluated inside the step (LBFGS): the latest gradient is the true one
-                g = None if now is None else now.to(self.dtype)
-            elif now._version != v0:  # clipped: the half gradient shows what was stepped
-                g.copy_(now)
-            _point(p, h, g)
-            if stepped and g is not None:
+            if p.grad is mg:
+                p.grad = None
+            if mg._version != v:  # clipped or edited while entered
+                g.copy_(mg)
+            if p.grad is None:
+                p.grad = g
+            if stepped:
                 self._stepped[p] = g
             else:
                 m.grad = None
-        if prepared.halves:
-            torch._foreach_copy_(prepared.halves, prepared.masters)
-        prepared.swapped = False
+        if prepared.params:
+            torch._foreach_copy_([p.data for p in prepared.params], prepared.masters)
+        prepared.entered = False
 
     def drop_stepped_grads(self) -> None:
         """Release the fp32 gradients that the masters kept from the last step."""

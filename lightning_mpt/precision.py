@@ -189,9 +189,7 @@ class MPTPrecision(Precision):
             for h in handles:
                 h.remove()
         self._optimizer_hooks.clear()
-        for prepared in self._pending.values():
-            MasterWeights.release(prepared, clear_grads=False)
-        self._pending.clear()
+        self._drop_pending()  # a run that failed inside a step leaves it half done
         self._loss_finite = None
         self._masters.restore()
 
@@ -274,8 +272,8 @@ class MPTPrecision(Precision):
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         prepared = self._pending.get(optimizer)
-        if prepared is not None and not prepared.swapped:
-            self._masters.swap_in(prepared)
+        if prepared is not None and not prepared.entered:
+            self._masters.enter(optimizer, prepared)
         self._clip_gradients(
             model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
         )
@@ -294,11 +292,12 @@ class MPTPrecision(Precision):
         self.history.append(record)
         self.last_step_skipped = found_inf
         if not found_inf:
+            self._masters.sync_edits(prepared)  # clipping hooks may have edited half gradients (torch < 2.13)
             return prepared
         record._names = [self._masters.name_of(p) for p in prepared.all_params()]
         record._mask = prepared.nonfinite_mask()
-        if prepared.swapped:
-            self._masters.swap_out(prepared, stepped=False)
+        if prepared.entered:
+            self._masters.exit(optimizer, prepared, stepped=False)
         MasterWeights.release(prepared, clear_grads=True)
         self.skipped_steps += 1
         self._consecutive_skips += 1
@@ -331,7 +330,9 @@ class MPTPrecision(Precision):
         return inf > 0, loss_bad == 0
 
     def _drop_pending(self) -> None:
-        for prepared in self._pending.values():
+        for optimizer, prepared in self._pending.items():
+            if prepared.entered:
+                self._masters.exit(optimizer, prepared, stepped=False)
             MasterWeights.release(prepared, clear_grads=False)
         self._pending.clear()
 
@@ -390,38 +391,44 @@ class _SkippedStep(Exception):
 
 class _MasterStep:
     """One optimizer step on the masters. The optimizer calls :meth:`closure` first thing in ``step()``; there the
-    step is decided and, unless skipped, the masters are swapped in for the update that follows."""
+    step is decided and, unless skipped, the optimizer holds the masters for the update that follows."""
 
     def __init__(
-        self, plugin: MPTPrecision, optimizer: Optimizer, closure: Callable[[], Any], after: Optional[Callable[[], None]] = None
+        self,
+        plugin: MPTPrecision,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        after: Optional[Callable[[], None]] = None,
     ) -> None:
         self.plugin, self.optimizer, self.user_closure, self.after = plugin, optimizer, closure, after
         self.prepared: Optional[PreparedGrads] = None
 
     def closure(self) -> Any:
+        plugin, masters, optimizer = self.plugin, self.plugin._masters, self.optimizer
+        if self.prepared is not None:  # re-evaluation inside the step (LBFGS): the forward must see the masters
+            masters.exit(optimizer, self.prepared, stepped=False)
         result = self.user_closure()
-        masters = self.plugin._masters
+        plugin.unscale_gradients(optimizer)
+        if self.after is not None:
+            self.after()  # hooks, masters in, clipping
         if self.prepared is None:
-            self.plugin.unscale_gradients(self.optimizer)
-            if self.after is not None:
-                self.after()
-            self.prepared = self.plugin._decide(self.optimizer)
-            if not self.prepared.swapped:  # manual optimization: no clipping hook swapped them in yet
-                masters.swap_in(self.prepared)
-        else:  # re-evaluation (LBFGS): the parameters hold their masters, so fp32 gradients landed there
-            masters.regrad(self.prepared)
-            if self.after is not None:
-                self.after()
+            self.prepared = plugin._decide(optimizer)
+        else:
+            self.prepared = plugin._pending.pop(optimizer)
+        if not self.prepared.entered:
+            masters.enter(optimizer, self.prepared)
         return result
 
     def __call__(self, **kwargs: Any) -> Any:
+        stepped = False
         try:
             output = self.optimizer.step(closure=self.closure, **kwargs)
+            stepped = True
         except _SkippedStep:
             return None
         finally:
-            if self.prepared is not None and self.prepared.swapped:
-                self.plugin._masters.swap_out(self.prepared, stepped=True)
+            if self.prepared is not None and self.prepared.entered:
+                self.plugin._masters.exit(self.optimizer, self.prepared, stepped=stepped)
         if self.prepared is not None:
             self.plugin._stepped()
         return output

@@ -1,0 +1,106 @@
+"""A 2-process CPU (gloo) training run for tests/test_ddp.py; each rank writes what it saw to ``OUT/rank<r>.json``.
+
+usage: python ddp_worker.py STRATEGY OUT PRECISION [--inject-step K --inject-rank R] [--model nonorm|mlp]
+
+PRECISION is ``mpt-fp16``, ``mpt-bf16`` or ``lightning-16-mixed`` (Lightning's MixedPrecision with a GradScaler).
+Per optimizer step a rank records the loss scale, whether the step was skipped, a SHA-1 of its fp32 weights (the
+masters under MPTPrecision) and the bytes its DDP communication hook all-reduced.
+"""
+
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from models import InjectInf, TinyMLP, quiet_trainer, regression_data  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+
+from lightning_mpt import MPTPrecision  # noqa: E402
+
+
+class NoNormMLP(TinyMLP):
+    """TinyMLP without its LayerNorm: every parameter is half under MPTPrecision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+class Record(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rows: list[dict] = []
+        self.bytes = [0]
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        # Lightning registers DDP comm hooks only on CUDA: register ours on the DDP-wrapped model
+        def count_and_allreduce(state: list, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            buf = bucket.buffer()
+            state[0] += buf.numel() * buf.element_size()
+            return default_hooks.allreduce_hook(None, bucket)
+
+        trainer.strategy.model.register_comm_hook(self.bytes, count_and_allreduce)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args) -> None:
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, MPTPrecision):
+            weights = [m for _, _, m in plugin.named_masters()]
+            scale, skipped = plugin.last_step.scale, plugin.last_step_skipped  # the scale the step ran at
+            dtypes = sorted({str(p.dtype) for p in module.parameters()})
+        else:
+            weights = list(module.parameters())
+            scale, skipped, dtypes = plugin.scaler.get_scale(), None, sorted({str(p.dtype) for p in module.parameters()})
+        flat = torch.cat([w.detach().float().flatten() for w in weights])
+        self.rows.append(
+            {
+                "step": trainer.global_step,
+                "scale": scale,
+                "skipped": skipped,
+                "weights_sha1": hashlib.sha1(flat.numpy().tobytes()).hexdigest(),
+                "bytes": self.bytes[0],
+                "param_dtypes": dtypes,
+            }
+        )
+        self.bytes[0] = 0
+
+    def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("strategy", choices=["ddp", "ddp_spawn"])
+    p.add_argument("out", type=Path)
+    p.add_argument("precision", choices=["mpt-fp16", "mpt-bf16", "lightning-16-mixed"])
+    p.add_argument("--inject-step", type=int, default=-1)
+    p.add_argument("--inject-rank", type=int, default=1)
+    p.add_argument("--model", choices=["nonorm", "mlp"], default="mlp")
+    p.add_argument("--steps", type=int, default=6)
+    args = p.parse_args()
+
+    torch.manual_seed(os.getpid() if args.strategy == "ddp" else 0)  # ranks start from different weights on purpose
+    plugin = MPTPrecision(args.precision[4:]) if args.precision.startswith("mpt") else MixedPrecision("16-mixed", "cpu")
+    if args.precision == "mpt-fp16":
+        plugin = MPTPrecision("fp16", scaler=1024.0 if args.inject_step < 0 else None)
+    trainer = quiet_trainer(
+        strategy=args.strategy,
+        devices=2,
+        max_steps=args.steps,
+        plugins=[plugin],
+        callbacks=[Record(args.out), InjectInf("net.0.weight", steps={args.inject_step}, rank=args.inject_rank)],
+    )
+    model = NoNormMLP() if args.model == "nonorm" else TinyMLP()
+    trainer.fit(model, regression_data(n=32 * args.steps))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""DDP with 2 CPU processes (gloo), under ``ddp`` and ``ddp_spawn``: ranks agree on the scale, the skip decision and
+the masters at every step, and the gradients DDP all-reduces are half precision (half the bytes of "16-mixed").
+
+The runs are subprocesses; the assertions read what each rank wrote, so gloo's occasional abort at process exit
+("terminate called without an active exception") cannot fail a test whose workers finished their work.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_workers(tmp_path: Path, strategy: str, precision: str, *extra: str) -> list[list[dict]]:
+    out = tmp_path / f"{strategy}-{precision}"
+    out.mkdir()
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), strategy, str(out), precision, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    ranks = [out / "rank0.json", out / "rank1.json"]
+    if not all(r.exists() for r in ranks):
+        pytest.fail(f"workers did not finish (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(r.read_text()) for r in ranks]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_ranks_agree_and_an_inf_on_one_rank_skips_the_step_on_both(tmp_path, strategy):
+    rank0, rank1 = run_workers(tmp_path, strategy, "mpt-fp16", "--inject-step", "3", "--inject-rank", "1")
+    assert len(rank0) == len(rank1) == 6
+    for a, b in zip(rank0, rank1):
+        assert (a["scale"], a["skipped"], a["weights_sha1"]) == (b["scale"], b["skipped"], b["weights_sha1"]), a["step"]
+    skipped = [row["skipped"] for row in rank0]
+    assert skipped[3] and skipped.count(True) == 1 + skipped[:3].count(True)  # injected step, plus early overflows
+    assert rank0[3]["weights_sha1"] == rank0[2]["weights_sha1"]  # the skipped step left the masters alone
+    assert rank0[4]["scale"] == rank0[3]["scale"] / 2
+
+
+def test_allreduced_gradients_are_half_precision(tmp_path):
+    mpt0, mpt1 = run_workers(tmp_path, "ddp", "mpt-fp16", "--model", "nonorm")
+    amp0, _ = run_workers(tmp_path, "ddp", "lightning-16-mixed", "--model", "nonorm")
+    assert mpt0[0]["param_dtypes"] == ["torch.float16"] and amp0[0]["param_dtypes"] == ["torch.float32"]
+    mpt_bytes = [row["bytes"] for row in mpt0]
+    amp_bytes = [row["bytes"] for row in amp0]
+    params = 16 * 32 + 32 + 32 * 4 + 4
+    assert amp_bytes == [4 * params] * 6  # fp32 gradients under "16-mixed"
+    assert mpt_bytes == [2 * params] * 6  # half under MPTPrecision: ratio 0.5
+    assert mpt_bytes == [row["bytes"] for row in mpt1]
