@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         plugins=[plugin],
         logger=L.pytorch.loggers.TensorBoardLogger(args.logdir, name=args.name),
         log_every_n_steps=10,
-        val_check_interval=100,
+        val_check_interval=min(100, args.steps),
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=False,
