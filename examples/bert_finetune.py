@@ -32,7 +32,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from example_utils import Classifier, decay_groups, example_parser, fit, make_trainer, parse_args, print_summary
+from example_utils import (
+    Classifier, decay_groups, diagnostics, example_parser, fit, make_trainer, parse_args, print_summary,
+)
 from lightning_mpt import MPTPrecision
 
 PAD, CLS, POSITIVE, NEGATIVE = 0, 1, range(2, 6), range(6, 10)  # token ids; fillers are the ids from 10 up
@@ -129,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     plugin = MPTPrecision(args.precision)
     trainer = make_trainer(
         args, "bert_finetune", plugins=[plugin], val_check_interval=args.steps,
-        callbacks=[L.pytorch.callbacks.LearningRateMonitor("step")],
+        callbacks=[*diagnostics(args.steps), L.pytorch.callbacks.LearningRateMonitor("step")],
     )
     model = TinyBert(args.vocab, args.seq_len, args.dim, args.layers, args.heads, lr=args.lr)
     summary = fit(trainer, model, train, val)

@@ -1,5 +1,5 @@
-"""Pieces the examples share: command-line flags, a Trainer factory, synthetic images, precision names, and a
-callback that records the loss and the plugin's loss scale.
+"""Pieces the examples share: command-line flags, a Trainer factory with the diagnostic callbacks, a classifier
+base, synthetic images, and the names of the precisions that the memory example and the benchmarks compare.
 
 Each example is a script (``python examples/<name>.py --help``) and a function ``main(argv) -> dict`` that the test
 suite calls with ``["--fast"]``. Running from the repository root or from ``examples/`` both work, because Python
@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpt import MPTPrecision
+from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
 
 # The precisions the memory example and the benchmark table compare: Lightning's names, and ours.
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "mpt-fp16", "mpt-bf16")
@@ -73,6 +74,17 @@ def parse_args(parser: argparse.ArgumentParser, argv: Optional[list[str]], fast:
     return args
 
 
+def diagnostics(steps: int) -> list[L.Callback]:
+    """The three diagnostic callbacks at a cadence that gives about ten points (histograms, fractions) and three
+    fp32 reference measurements per run: the ``mpt/`` scalars and the "Mixed precision" dashboard in TensorBoard."""
+    every = max(1, steps // 10)
+    return [
+        LossScaleMonitor(),
+        GradientHistogramMonitor(every_n_steps=every),
+        UnderflowMonitor(every_n_steps=every, reference_every_n_steps=max(1, steps // 3)),
+    ]
+
+
 def next_version(logdir: str, name: str) -> int:
     """The version number the next TensorBoard log under ``<logdir>/<name>`` gets (``version_<n>``)."""
     return L.pytorch.loggers.TensorBoardLogger(logdir, name=name).version
@@ -81,7 +93,7 @@ def next_version(logdir: str, name: str) -> int:
 def make_trainer(
     args: argparse.Namespace, name: str, run: Optional[str] = None, version: Optional[int] = None, **kwargs: Any
 ) -> L.Trainer:
-    """A quiet Trainer with a :class:`TrainingRecord` that logs to TensorBoard under ``<args.logdir>/<name>/version_<n>``.
+    """A quiet Trainer with a :class:`LossHistory` that logs to TensorBoard under ``<args.logdir>/<name>/version_<n>``.
 
     Examples that compare runs pass the same ``version`` (from :func:`next_version`) and a ``run`` name each: the
     runs log to ``version_<n>/<run>`` and TensorBoard shows them side by side.
@@ -99,18 +111,18 @@ def make_trainer(
         num_sanity_val_steps=0,
     )
     defaults.update(kwargs)
-    defaults["callbacks"] = [TrainingRecord(), *defaults.get("callbacks", [])]
+    defaults["callbacks"] = [LossHistory(), *defaults.get("callbacks", [])]
     return L.Trainer(**defaults)
 
 
 def fit(trainer: L.Trainer, model: L.LightningModule, train: DataLoader, val: Optional[DataLoader] = None) -> dict[str, Any]:
     """``trainer.fit`` and a summary: steps, mean ``train_loss`` of the first and last 5 steps, ``val_acc`` if
     validated, skipped steps and final loss scale (under :class:`MPTPrecision`), seconds, log directory."""
-    record = next(cb for cb in trainer.callbacks if isinstance(cb, TrainingRecord))
+    history = next(cb for cb in trainer.callbacks if isinstance(cb, LossHistory))
     t0 = time.perf_counter()
     trainer.fit(model, train, val)
     seconds = time.perf_counter() - t0
-    first, last = record.loss_drop()
+    first, last = history.loss_drop()
     summary: dict[str, Any] = {"steps": trainer.global_step, "first_loss": first, "last_loss": last}
     if "val_acc" in trainer.callback_metrics:
         summary["val_acc"] = float(trainer.callback_metrics["val_acc"])
@@ -192,34 +204,24 @@ def print_summary(name: str, summary: dict[str, Any]) -> None:
     print(f"{name}:", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
 
-class TrainingRecord(L.Callback):
-    """Keeps the logged ``train_loss`` of every step and logs the plugin's loss scale, skipped steps and overflows.
-
-    The scalars ``loss_scale`` (the scale the step's gradients were computed with), ``skipped_steps``
-    (cumulative) and ``overflow`` (0/1) go to the logger at every logging step when the Trainer runs
-    :class:`MPTPrecision`.
+class LossHistory(L.Callback):
+    """Keeps the logged ``train_loss`` of every step (read at the end: no host sync per step).
 
     Example::
 
-        record = TrainingRecord()   # make_trainer adds one
-        trainer = L.Trainer(max_steps=20, callbacks=[record], plugins=[MPTPrecision("fp16")])
+        history = LossHistory()     # make_trainer adds one
+        trainer = L.Trainer(max_steps=20, callbacks=[history])
         trainer.fit(model)          # a model that logs "train_loss" at every step
-        print(record.losses[0], record.losses[-1])
+        print(history.losses[0], history.losses[-1])
     """
 
     def __init__(self) -> None:
         self._losses: list[torch.Tensor] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         loss = trainer.callback_metrics.get("train_loss")
         if loss is not None:
-            self._losses.append(loss.detach().float().clone())  # no host sync per step: read at the end, in `losses`
-        plugin = trainer.precision_plugin
-        if isinstance(plugin, MPTPrecision) and plugin.last_step is not None:
-            step = plugin.last_step
-            pl_module.log_dict(
-                {"loss_scale": step.scale, "skipped_steps": float(plugin.skipped_steps), "overflow": float(step.skipped)}
-            )
+            self._losses.append(loss.detach().float().clone())
 
     @property
     def losses(self) -> list[float]:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpt import MPTPrecision
+from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
 
 
 class Classifier(L.LightningModule):
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         devices=1,
         max_steps=args.steps,
         plugins=[plugin],
+        callbacks=[LossScaleMonitor(), GradientHistogramMonitor(every_n_steps=50), UnderflowMonitor()],
         logger=L.pytorch.loggers.TensorBoardLogger(args.logdir, name=args.name),
         log_every_n_steps=10,
         val_check_interval=min(100, args.steps),

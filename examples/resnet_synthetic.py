@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from example_utils import (
-    Classifier, decay_groups, example_parser, fit, make_trainer, parse_args, print_summary, synthetic_images,
+    Classifier, decay_groups, diagnostics, example_parser, fit, make_trainer, parse_args, print_summary,
+    synthetic_images,
 )
 from lightning_mpt import MPTPrecision
 
@@ -59,10 +60,13 @@ class ResNet(Classifier):
         assert model(torch.randn(2, 3, 16, 16)).shape == (2, 4)
     """
 
-    def __init__(self, classes: int = 10, width: int = 16, blocks: int = 1, lr: float = 0.1, weight_decay: float = 5e-4):
+    def __init__(
+        self, classes: int = 10, width: int = 16, blocks: int = 1, lr: float = 0.1, weight_decay: float = 5e-4
+    ) -> None:
         super().__init__(classes)
         self.save_hyperparameters()
-        layers: list[nn.Module] = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+        stem = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+        layers: list[nn.Module] = list(stem)
         c = width
         for stage, c_out in enumerate((width, 2 * width, 4 * width)):
             for i in range(blocks):
@@ -98,7 +102,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                        batch_size=args.batch_size, shuffle=True)
     val = DataLoader(synthetic_images(512, args.classes, args.image_size, 1, args.noise), batch_size=256)
     plugin = MPTPrecision(args.precision)
-    trainer = make_trainer(args, "resnet_synthetic", plugins=[plugin], val_check_interval=args.steps)
+    trainer = make_trainer(args, "resnet_synthetic", plugins=[plugin], callbacks=diagnostics(args.steps),
+                           val_check_interval=args.steps)
     model = ResNet(args.classes, args.width, args.blocks, lr=args.lr)
     summary = fit(trainer, model, train, val)
     print_summary("resnet_synthetic", summary)

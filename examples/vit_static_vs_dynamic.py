@@ -42,6 +42,7 @@ On a GPU, scale it up:
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Optional
 
 import lightning as L
@@ -50,7 +51,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from example_utils import (
-    example_parser, fit, make_trainer, next_version, parse_args, print_summary, synthetic_images,
+    diagnostics, example_parser, fit, make_trainer, next_version, parse_args, print_summary, synthetic_images,
 )
 from lightning_mpt import DynamicLossScaler, MPTPrecision
 
@@ -108,15 +109,19 @@ def train(args: Any, name: str, plugin: MPTPrecision, version: int) -> dict[str,
     L.seed_everything(0, verbose=False)
     data = DataLoader(synthetic_images(args.batch_size * args.steps, args.classes, args.image_size, 0, args.noise),
                       batch_size=args.batch_size, shuffle=True)
-    trainer = make_trainer(args, NAME, run=name, version=version, plugins=[plugin], log_every_n_steps=1)
+    trainer = make_trainer(args, NAME, run=name, version=version, plugins=[plugin], callbacks=diagnostics(args.steps),
+                           log_every_n_steps=1)
     model = ViT(args.image_size, args.patch, args.dim, args.depth, args.heads, args.classes, args.lr, args.reduction)
     summary = fit(trainer, model, data)
     scales = [r.scale for r in plugin.history]
+    skipped = [r for r in plugin.history if r.skipped]
     summary.update(
-        first_skipped=next((r.step for r in plugin.history if r.skipped), None),
-        last_skipped=next((r.step for r in reversed(plugin.history) if r.skipped), None),
+        first_skipped=skipped[0].step if skipped else None,
+        last_skipped=skipped[-1].step if skipped else None,
         min_scale=min(scales),
         scale_changes=_changes(scales),
+        # which parameters held the inf: the ones whose gradient sums over the whole batch
+        overflowing_params=Counter(name for r in skipped for name in r.nonfinite_params).most_common(3),
     )
     return summary
 
