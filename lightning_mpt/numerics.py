@@ -170,11 +170,32 @@ def exponent_histograms(tensors: Sequence[Optional[Tensor]], fmt: FloatFormat, s
         if t is None or t.numel() == 0:
             rows.append(zeros)
             continue
-        x = fmt.cast(t.detach() * scale if scale != 1.0 else t.detach())
-        rows.append(_bincount(_exponent_index(x.reshape(-1), fmt), nb).to(device))
+        x = fmt.cast(t.detach() * scale if scale != 1.0 else t.detach()).reshape(-1)
+        if x.element_size() == 2:
+            # 16-bit formats: count the 2**15 magnitude bit patterns, then fold them into bins with a table
+            # (two cheap passes over the tensor instead of frexp and a chain of masks)
+            patterns = _bincount((x.view(torch.int16) & 0x7FFF).long(), 1 << 15)
+            table = _pattern_bins(fmt, patterns.device)
+            row = torch.zeros(nb, dtype=torch.int64, device=patterns.device).index_add_(0, table, patterns)
+        else:
+            row = _bincount(_exponent_index(x, fmt).long(), nb)
+        rows.append(row.to(device))
     if not rows:
         return torch.zeros(0, nb, dtype=torch.int64, device=device)
     return torch.stack(rows)
+
+
+_PATTERN_BINS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _pattern_bins(fmt: FloatFormat, device: torch.device) -> Tensor:
+    """The exponent-histogram bin of each nonnegative 16-bit pattern of ``fmt`` (cached per device)."""
+    key = (fmt.dtype, device)
+    table = _PATTERN_BINS.get(key)
+    if table is None:
+        values = torch.arange(1 << 15, dtype=torch.int16).view(fmt.dtype)
+        table = _PATTERN_BINS[key] = _exponent_index(values, fmt).long().to(device)
+    return table
 
 
 def _bincount(idx: Tensor, n: int) -> Tensor:

@@ -172,6 +172,17 @@ def test_dashboard_layout_written_once(fp16_run):
     assert any("mpt/update_underflow_fraction$" in tags for tags in charts.values())
 
 
+def test_dashboard_written_once_per_run_across_fits(tmp_path):
+    logger = TensorBoardLogger(str(tmp_path), name="", version=0)
+    for _ in range(2):  # e.g. a second fit continuing with the same logger
+        monitors = [LossScaleMonitor(), GradientHistogramMonitor(values=False)]
+        trainer = quiet_trainer(plugins=[MPTPrecision("bf16")], callbacks=monitors, logger=logger, max_steps=1)
+        trainer.fit(TinyMLP(), regression_data())
+    (layout,) = layouts(read_events(logger.log_dir))
+    assert [c.title for c in layout.category[0].chart][:2] == ["Loss scale", "Skipped steps (cumulative) and overflows (0/1)"]
+    assert not any("fraction" in c.title for c in layout.category[0].chart)  # only the monitors present
+
+
 # ---------------------------------------------------------------------- the fp32 reference: same batch, no trace
 class Dropper(L.LightningModule):
     """Dropout, BatchNorm, a torchmetrics metric, self.log calls and a record of the random draws of each call."""

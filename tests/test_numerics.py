@@ -181,3 +181,15 @@ def test_batched_functions_return_device_tensors():
     for result in (exponent_histograms(g, FP16), flush_counts(g, 2.0, FP16), update_underflow_counts(g, g, FP16),
                    max_abs(g), value_histograms([g])):
         assert isinstance(result, torch.Tensor)
+
+
+@pytest.mark.parametrize("fmt", [FP16, BF16], ids=lambda f: f.name)
+def test_exponent_histogram_bit_pattern_table_matches_frexp_path(fmt):
+    from lightning_mpt.numerics import _bincount, _exponent_index
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(20000, generator=g) * torch.logspace(-45, 38, 20000)).to(fmt.dtype)
+    x[::97], x[::101], x[::7], x[1::7] = INF, NAN, 0.0, -0.0
+    direct = _bincount(_exponent_index(x, fmt).long(), len(exponent_bins(fmt)))
+    assert torch.equal(exponent_histograms([x], fmt)[0], direct)
+    assert exponent_histograms([x.float()], FP32)[0].sum() == x.numel()  # the 32-bit path

@@ -1,0 +1,244 @@
+"""What the diagnostic callbacks cost: step time, host syncs and event-file bytes (issue 5).
+
+On the bf16 transformer of ``benchmarks/common.py`` under ``MPTPrecision("bf16")``, all in one process:
+
+1. **Default cadence vs none**: runs without callbacks and with ``LossScaleMonitor()``,
+   ``GradientHistogramMonitor()`` and ``UnderflowMonitor()`` alternate (``--rounds`` pairs, so that drift in machine
+   load hits both); the ratio of their step times (median and mean). A short run sees mostly steps where only the
+   loss scale is logged, so the script also reports the **amortized** overhead: the measured cost of each kind of
+   logging step (from run 2) divided by how often it happens at the default cadence.
+2. **Logging at every step** (all three monitors, fp32 reference included): step-time ratio, time per hook, and
+   host syncs per step (calls to ``Tensor.item``/``tolist``/``__bool__``/``__float__``/``__int__`` counted through
+   wrappers), against the same count without callbacks: all parameters' statistics cost one sync per step.
+3. **Event-file bytes per 1000 steps** at the default cadence, from 1000 steps of a narrow copy of the transformer
+   (same layers and parameter names, d_model 16, so it runs in seconds; the bytes depend on the parameter count,
+   not on their size).
+
+Run: ``python benchmarks/callback_overhead.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import TransformerClassifier, time_steps, transformer_data  # noqa: E402
+
+from lightning_mpt import MPTPrecision  # noqa: E402
+from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor  # noqa: E402
+
+HOOKS = ("on_train_batch_start", "on_after_backward", "on_before_optimizer_step", "on_train_batch_end")
+SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+# ------------------------------------------------------------------------------------------------- instruments
+class SyncCounter:
+    """Count the calls that read a tensor on the host (on a GPU each waits for the device) while active."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved: dict[str, Callable] = {}
+
+    def __enter__(self) -> SyncCounter:
+        for name in SYNC_METHODS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def counted(t: torch.Tensor, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
+                self.count += 1
+                return _original(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+class _Clock:
+    """Wall and process CPU time of each training batch after ``warmup`` batches. The CPU time of this process is
+    the steadier measure on a shared machine: other processes' load stretches wall time, not our CPU seconds."""
+
+    def __init__(self, warmup: int = 5) -> None:
+        self.warmup = warmup
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self._t0 = (0.0, 0.0)
+
+    def callbacks(self) -> tuple[L.Callback, L.Callback]:
+        clock = self
+
+        class Start(L.Callback):  # first in the list: before every other callback's batch hooks
+            def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+                clock._t0 = (time.perf_counter(), time.process_time())
+
+        class End(L.Callback):  # last in the list: after every other callback's batch-end work
+            def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+                if trainer.global_step > clock.warmup:
+                    clock.wall.append(time.perf_counter() - clock._t0[0])
+                    clock.cpu.append(time.process_time() - clock._t0[1])
+
+        return Start(), End()
+
+
+def time_hooks(callback: L.Callback, totals: dict[str, list[float]], prefix: str, warmup: int = 5) -> L.Callback:
+    """Wrap the callback's hooks (and the UnderflowMonitor's reference) to record their CPU time per call in
+    ``totals``, after ``warmup`` steps (the first steps pay one-time costs: event-file creation, lookup tables)."""
+    names = list(HOOKS) + (["_reference"] if isinstance(callback, UnderflowMonitor) else [])
+    for name in names:
+        method = getattr(callback, name)
+
+        def timed(*args: Any, _method: Callable = method, _key: str = f"{prefix}.{name}", **kwargs: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                if args and isinstance(args[0], L.Trainer) and args[0].global_step > warmup:
+                    totals[_key].append(time.process_time() - t0)
+
+        setattr(callback, name, timed)
+    return callback
+
+
+def default_monitors() -> list[L.Callback]:
+    return [LossScaleMonitor(), GradientHistogramMonitor(), UnderflowMonitor()]
+
+
+def every_step_monitors() -> list[L.Callback]:
+    return [
+        LossScaleMonitor(every_n_steps=1),
+        GradientHistogramMonitor(every_n_steps=1),
+        UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1),
+    ]
+
+
+def run(steps: int, callbacks: list[L.Callback], logdir: str) -> _Clock:
+    clock = _Clock()
+    start, end = clock.callbacks()
+    logger = TensorBoardLogger(logdir, name="", version=0)
+    time_steps("transformer", steps, plugin=MPTPrecision("bf16"), callbacks=[start, *callbacks, end],
+               accelerator="cpu", logger=logger)
+    return clock
+
+
+def dir_bytes(path: str) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("events.out.tfevents.*"))
+
+
+# ------------------------------------------------------------------------------------------------------- parts
+def default_vs_none(steps: int, rounds: int, tmp: str) -> tuple[_Clock, _Clock]:
+    base, monitored = _Clock(), _Clock()
+    for r in range(rounds):
+        for total, callbacks, name in ((base, [], "base"), (monitored, default_monitors(), "default")):
+            clock = run(steps, callbacks, f"{tmp}/{name}{r}")
+            total.wall += clock.wall
+            total.cpu += clock.cpu
+    return base, monitored
+
+
+def every_step(steps: int, tmp: str) -> dict[str, Any]:
+    totals: dict[str, list[float]] = defaultdict(list)
+    monitors = [time_hooks(m, totals, type(m).__name__) for m in every_step_monitors()]
+    with SyncCounter() as base_syncs:
+        base = run(steps, [], f"{tmp}/every_base")
+    with SyncCounter() as syncs:
+        times = run(steps, monitors, f"{tmp}/every")
+    return dict(base=base, times=times, totals=dict(totals), base_syncs=base_syncs.count, syncs=syncs.count)
+
+
+def event_bytes(steps: int, tmp: str) -> int:
+    """Bytes of event files written over ``steps`` steps at the default cadence (narrow transformer, bf16)."""
+    L.seed_everything(0, verbose=False)
+    logdir = f"{tmp}/bytes"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, plugins=[MPTPrecision("bf16")], callbacks=default_monitors(),
+        logger=TensorBoardLogger(logdir, name="", version=0), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = TransformerClassifier(vocab=1000, d_model=16, layers=4, heads=4)
+    trainer.fit(model, transformer_data(steps * 4, seq=8, batch_size=4))
+    without = f"{tmp}/bytes_none"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, plugins=[MPTPrecision("bf16")],
+        logger=TensorBoardLogger(without, name="", version=0), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TransformerClassifier(vocab=1000, d_model=16, layers=4, heads=4), transformer_data(4, seq=8, batch_size=4))
+    return dir_bytes(logdir) - dir_bytes(without)  # what the callbacks added
+
+
+# -------------------------------------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per timed run (5 warm-up excluded)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating pairs of runs without/with callbacks")
+    parser.add_argument("--every-steps", type=int, default=16, help="steps of the logging-at-every-step runs")
+    parser.add_argument("--bytes-steps", type=int, default=1000, help="steps of the event-bytes run")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.every_steps, args.bytes_steps = 8, 1, 8, 100
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    with tempfile.TemporaryDirectory() as tmp:
+        base, monitored = default_vs_none(args.steps, args.rounds, tmp)
+        every = every_step(args.every_steps, tmp)
+        nbytes = event_bytes(args.bytes_steps, tmp)
+
+    med, mean = statistics.median, statistics.fmean
+
+    def ratios(a: _Clock, b: _Clock) -> str:
+        return (f"CPU time: median {med(b.cpu) / med(a.cpu):.3f}, mean {mean(b.cpu) / mean(a.cpu):.3f};"
+                f" wall time: median {med(b.wall) / med(a.wall):.3f}, mean {mean(b.wall) / mean(a.wall):.3f}")
+
+    print(f"\n== bf16 transformer (MPTPrecision('bf16'), CPU, {torch.get_num_threads()} threads) ==")
+    print(f"step without callbacks: CPU time median {med(base.cpu) * 1e3:.0f} ms, wall time median"
+          f" {med(base.wall) * 1e3:.0f} ms ({len(base.wall)} steps)")
+    print(f"1. three callbacks at default cadence vs none ({args.rounds} alternating pairs of runs, one process):")
+    print(f"   {ratios(base, monitored)}")
+
+    n = args.every_steps
+    totals = every["totals"]
+    per_step = {k: mean(v) for k, v in totals.items()}  # every step logs: the cost of one logging step
+    print("2. logging at every step (fp32 reference included):")
+    print(f"   {ratios(every['base'], every['times'])}")
+    extra_syncs = (every["syncs"] - every["base_syncs"]) / n
+    print(f"   host syncs per step: {every['base_syncs'] / n:.2f} without callbacks (the plugin's),"
+          f" {every['syncs'] / n:.2f} with them: +{extra_syncs:.2f} per step for all parameters' statistics")
+    print("   CPU time per step in the hooks (ms):")
+    for key in sorted(per_step):
+        print(f"     {key:<55s} {per_step[key] * 1e3:8.2f}")
+
+    # amortized: each activity's cost per logging step over its period at the default cadence
+    step_time = mean(base.cpu)
+    ref = per_step.get("UnderflowMonitor._reference", 0.0)
+    periods = {"LossScaleMonitor": 1, "GradientHistogramMonitor": 100, "UnderflowMonitor": 50}
+    amortized = ref / 500
+    for key, cost in per_step.items():
+        owner, hook = key.split(".", 1)
+        if hook == "_reference":
+            continue
+        if owner == "UnderflowMonitor" and hook == "on_before_optimizer_step":
+            cost -= ref  # the reference runs inside this hook
+        amortized += cost / periods[owner]
+    print("   amortized at the default cadence (scale every step, histograms every 100, fractions every 50,"
+          " reference every 500):")
+    print(f"     +{amortized * 1e3:.2f} ms per step = ratio {1 + amortized / step_time:.4f}")
+    print(f"3. event-file bytes per 1000 steps at the default cadence: {nbytes * 1000 / args.bytes_steps / 1e3:.0f} kB"
+          f" (measured over {args.bytes_steps} steps)")
+
+
+if __name__ == "__main__":
+    main()
