@@ -42,24 +42,24 @@ CONFIG = {
 def test_yaml_config_builds_the_plugin_and_trains(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(CONFIG))
-    cli = LightningCLI(TinyMLP, Data, args=["fit", "--config", str(path)], save_config_kwargs={"overwrite": True})
+    run_dir = tmp_path / "run"
+    cli = LightningCLI(TinyMLP, Data, args=["fit", "--config", str(path), f"--trainer.default_root_dir={run_dir}"])
     plugin = cli.trainer.precision_plugin
     assert isinstance(plugin, MPTPrecision) and isinstance(plugin.scaler, DynamicLossScaler)
     assert plugin.scaler.growth_interval == 100 and plugin.max_consecutive_skips == 7
     assert plugin.history[0].scale == 1024.0
     assert cli.trainer.global_step == 3
-    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())  # the config round-trips
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())  # the config LightningCLI saved round-trips
     assert saved["trainer"]["plugins"][0]["init_args"]["scaler"]["init_args"]["init_scale"] == 1024
 
 
-def test_static_scale_from_the_command_line():
+def test_static_scale_from_the_command_line(tmp_path):
     cli = LightningCLI(
         TinyMLP,
         Data,
         args=["fit", "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
               "--trainer.plugins=lightning_mpt.MPTPrecision", "--trainer.plugins.precision=fp16",
-              "--trainer.plugins.scaler=512.0"],
-        save_config_kwargs={"overwrite": True},
+              "--trainer.plugins.scaler=512.0", f"--trainer.default_root_dir={tmp_path}"],
     )
     plugin = cli.trainer.precision_plugin
     assert plugin.scaler.is_static and plugin.loss_scale == 512.0
