@@ -81,6 +81,13 @@ class PreparedGrads:
         return ~torch.isfinite(torch.stack(maxabs))
 
 
+@dataclass
+class _Plan:
+    key: tuple  # (id, length) of each group's parameter list when the plan was made
+    slots: list[tuple[list, int, Tensor, Tensor]] = field(default_factory=list)  # (group list, index, param, master)
+    own: list[Tensor] = field(default_factory=list)  # parameters that are their own master
+
+
 class MasterWeights:
     """FP32 master copies of a module's half-precision parameters.
 
@@ -110,6 +117,7 @@ class MasterWeights:
         self.enabled = enabled
         self._masters: dict[Tensor, Tensor] = {}
         self._param_of: dict[Tensor, Tensor] = {}  # master -> parameter
+        self._plans: dict[Optimizer, _Plan] = {}
         self._converted: dict[Tensor, None] = {}  # every parameter given a half tensor (an ordered set)
         self._stepped: dict[Tensor, Tensor] = {}  # parameter -> its half grad, whose master keeps the fp32 grad
         self._names: dict[Tensor, str] = {}
@@ -171,6 +179,7 @@ class MasterWeights:
         self._converted.clear()
         self._masters.clear()
         self._param_of.clear()
+        self._plans.clear()
         self._stepped.clear()
 
     # ------------------------------------------------------------------ queries
@@ -197,6 +206,7 @@ class MasterWeights:
                 del self._param_of[m]
                 self._masters[p] = m = m.to(p.device)
                 self._param_of[m] = p
+                self._plans.clear()
 
     def broadcast(self, src: int = 0) -> None:
         """Make every process hold the masters of rank ``src`` (their half weights follow)."""
@@ -236,39 +246,51 @@ class MasterWeights:
         In place, because optimizers such as LBFGS keep a reference to the group's list.
         """
         state = optimizer.state
-        for group in optimizer.param_groups:
-            params = group["params"]
-            for i, x in enumerate(params):
-                y = self._masters.get(x) if to_masters else self._param_of.get(x)
-                if y is not None:
-                    params[i] = y
-                    if x in state:
-                        state[y] = state.pop(x)
+        for params, i, p, m in self._plan(optimizer).slots:
+            x, y = (p, m) if to_masters else (m, p)
+            params[i] = y
+            st = state.pop(x, None)
+            if st is not None:
+                state[y] = st
+
+    def _plan(self, optimizer: Optimizer) -> _Plan:
+        """Where ``optimizer``'s parameters with masters sit in its groups; rebuilt when the groups change."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+        plan = self._plans.get(optimizer)
+        if plan is None or plan.key != key:
+            plan = _Plan(key)
+            for group in optimizer.param_groups:
+                params = group["params"]
+                for i, x in enumerate(params):
+                    p = self._param_of.get(x, x)  # the groups may hold the masters right now
+                    m = self._masters.get(p)
+                    if m is None:
+                        plan.own.append(p)
+                    else:
+                        plan.slots.append((params, i, p, m))
+            self._plans[optimizer] = plan
+        return plan
 
     # ------------------------------------------------------------------ the optimizer step
-    def prepare(self, params: Iterable[Tensor], scale: float) -> PreparedGrads:
-        """Copy half gradients into fp32 master gradients and unscale everything by ``1/scale``.
+    def prepare(self, optimizer: Optimizer, scale: float) -> PreparedGrads:
+        """Copy ``optimizer``'s half gradients into fp32 master gradients and unscale everything by ``1/scale``.
 
         Gradients of fp32 parameters are unscaled in place. The half ``.grad`` receives the unscaled values too, so
         hooks that read ``param.grad`` see true gradients. No host sync: ``found_inf`` stays on the device.
         """
         out = PreparedGrads()
-        for p in params:
+        plan = self._plan(optimizer)
+        for _, _, p, master in plan.slots:
             g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                raise RuntimeError(
-                    f"MPTPrecision does not support sparse gradients (parameter {self.name_of(p)!r}); use dense "
-                    "embeddings (sparse=False)."
-                )
-            master = self._masters.get(p)
-            if master is None:
-                out.own_params.append(p)
-            else:
+            if g is not None:
+                _check_dense(self, p, g)
                 out.params.append(p)
                 out.masters.append(master)
                 out.half_grads.append(g)
+        for p in plan.own:
+            if p.grad is not None:
+                _check_dense(self, p, p.grad)
+                out.own_params.append(p)
         out.master_grads = [torch.empty_like(m) for m in out.masters]
         if out.masters:
             torch._foreach_copy_(out.master_grads, out.half_grads)
@@ -384,6 +406,14 @@ class _MasterLoadHook:
 
     def __deepcopy__(self, memo: dict) -> _MasterLoadHook:
         return self
+
+
+def _check_dense(owner: MasterWeights, p: Tensor, grad: Tensor) -> None:
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"MPTPrecision does not support sparse gradients (parameter {owner.name_of(p)!r}); use dense embeddings "
+            "(sparse=False)."
+        )
 
 
 def _castable(p: Tensor) -> bool:

@@ -228,9 +228,8 @@ class MPTPrecision(Precision):
         if optimizer in self._pending:
             return
         self._adopt(optimizer)
-        params = (p for group in optimizer.param_groups for p in group["params"])
         scale = self._backward_scale if self.scaler is not None else 1.0
-        self._pending[optimizer] = self._masters.prepare(params, scale)
+        self._pending[optimizer] = self._masters.prepare(optimizer, scale)
 
     def clip_gradients(
         self,
