@@ -1,0 +1,454 @@
+"""Read the ``mpt/`` TensorBoard tags of one or more runs and summarise what the loss scaler did and where precision
+was lost: the logic behind ``lightning-mpt report``, usable from Python.
+
+The event files are read with TensorBoard's own reader (``EventMultiplexer``, every scalar kept). Every directory
+under the log directory that holds event files is a run; runs without ``mpt/`` tags are listed in
+:attr:`Report.ignored`. All steps are optimizer steps, counted from 0 with skipped steps included (the x axis of
+the monitors).
+
+Example::
+
+    from lightning_mpt.report import build_report, format_text
+
+    report = build_report("runs")            # a TensorBoardLogger save_dir, or one version_N folder
+    print(format_text(report))
+    run = report.runs[0]
+    print(run.skipped_steps, run.scale.median if run.scale else None, run.first_overflow_step)
+    print(report.to_json())
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+from lightning_mpt.callbacks import dashboard as tags
+from lightning_mpt.numerics import BF16, FP16, FloatFormat
+
+__all__ = [
+    "ExponentHistogram",
+    "Ranked",
+    "Report",
+    "ReportError",
+    "RunData",
+    "RunSummary",
+    "Stats",
+    "build_report",
+    "format_text",
+    "load_runs",
+    "summarize",
+]
+
+PREFIX = "mpt/"
+_FORMATS = (FP16, BF16)
+# per-parameter tags that rank the layers, best evidence first: the flush fraction (fp32 reference) sees the values
+# the half format lost; without a reference, a large subnormal share is where flushing starts; zeros come last
+# because they include structural zeros (dead ReLUs, unused embedding rows)
+UNDERFLOW_TAGS = {
+    tags.GRAD_UNDERFLOW: "flush fraction",
+    tags.GRAD_SUBNORMAL: "subnormal fraction",
+    tags.GRAD_ZERO: "zero fraction",
+}
+_SIZE_GUIDANCE = {
+    event_accumulator.SCALARS: 0,  # 0: keep every point
+    event_accumulator.TENSORS: 0,  # text summaries
+    event_accumulator.HISTOGRAMS: 1,  # the reservoir always keeps the last one: the "last logged gradients"
+    event_accumulator.COMPRESSED_HISTOGRAMS: 1,
+    event_accumulator.IMAGES: 1,
+    event_accumulator.AUDIO: 1,
+}
+_TEXT_SUFFIX = "/text_summary"  # where SummaryWriter.add_text puts a text
+_NAME = re.compile(r"`([^`]+)`")
+_MORE = re.compile(r" and \d+ more$")
+_SUMMARY_ROW = re.compile(r"^\| `([^`]+)` \| (\d+) \|$", re.M)
+
+Series = list[tuple[int, float]]
+
+
+class ReportError(ValueError):
+    """The log directory cannot be reported on; the message says what was wrong and what is expected."""
+
+
+# ------------------------------------------------------------------------------------------------ data classes
+@dataclass(frozen=True)
+class Stats:
+    """Statistics of one logged series (finite points only)."""
+
+    points: int
+    min: float
+    median: float
+    mean: float
+    max: float
+    last: float
+    last_step: int
+
+    @classmethod
+    def of(cls, series: Series) -> Optional[Stats]:
+        """The statistics of ``series`` (``(step, value)`` pairs in step order), ``None`` without a finite point."""
+        finite = [(s, v) for s, v in series if math.isfinite(v)]
+        if not finite:
+            return None
+        values = [v for _, v in finite]
+        return cls(len(values), min(values), statistics.median(values), statistics.fmean(values), max(values),
+                   values[-1], finite[-1][0])
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A parameter and the statistics of one of its per-parameter series."""
+
+    name: str
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class ExponentHistogram:
+    """The exponent histogram of stored half gradients (``mpt/grad_exponent/*``) at one step, summed over the
+    parameters logged at that step: ``counts[e]`` values with ``floor(log2|g * scale|) == e``."""
+
+    step: int
+    format: str
+    zero: float
+    nonfinite: float
+    counts: dict[int, float]
+    parameters: list[str]
+
+    @property
+    def fmt(self) -> FloatFormat:
+        return next(f for f in _FORMATS if f.name == self.format)
+
+
+@dataclass
+class RunData:
+    """What was read from one run's event files: its ``mpt/`` scalars and texts and the last exponent histograms."""
+
+    name: str  # path relative to the log directory ("." for the log directory itself)
+    path: Path
+    scalars: dict[str, Series]
+    texts: dict[str, list[tuple[int, str]]]
+    exponents: Optional[ExponentHistogram]
+
+    def series(self, tag: str) -> Series:
+        return self.scalars.get(tag, [])
+
+    def per_parameter(self, tag: str) -> dict[str, Series]:
+        """``{parameter name: series}`` of the tags ``<tag>/<parameter name>``."""
+        prefix = tag + "/"
+        return {t[len(prefix) :]: s for t, s in self.scalars.items() if t.startswith(prefix)}
+
+
+@dataclass
+class RunSummary:
+    """The numbers ``lightning-mpt report`` prints for one run (see :func:`summarize`)."""
+
+    run: str
+    path: str
+    format: Optional[str]  # "fp16" or "bf16" (from the exponent histograms or the format marks), None if unknown
+    steps: int  # optimizer steps: 1 + the last step any mpt/ scalar was logged at
+    skipped_steps: int
+    skipped_share: float
+    first_overflow_step: Optional[int]
+    loss_nonfinite_steps: int  # skipped steps whose loss itself was inf/NaN
+    scale: Optional[Stats]  # mpt/loss_scale over its logged points
+    nonfinite_params: dict[str, int]  # parameter -> skipped steps with an inf/NaN gradient in it, most first
+    nonfinite_names_complete: bool  # False when a step's text listed only the first names ("and N more")
+    underflow_tag: Optional[str]  # the per-parameter tag that ranks the layers (UNDERFLOW_TAGS, first present)
+    worst_underflow: list[Ranked]  # by mean of underflow_tag, worst first (all parameters)
+    flush: Optional[Stats]  # mpt/grad_underflow_fraction (fp32 reference steps)
+    subnormal: Optional[Stats]  # mpt/grad_subnormal_fraction
+    update_underflow: Optional[Stats]  # mpt/update_underflow_fraction
+    worst_update_underflow: list[Ranked]
+    exponents: Optional[ExponentHistogram]
+
+
+@dataclass
+class Report:
+    """Summaries of the runs under one log directory, with what was read to make them."""
+
+    logdir: str
+    runs: list[RunSummary]
+    data: list[RunData] = field(repr=False)
+    ignored: list[str]  # runs with event files but no mpt/ tags
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summaries as plain data (what ``--json`` prints); non-finite numbers become ``None``."""
+        return _finite({"logdir": self.logdir, "runs": [asdict(r) for r in self.runs], "ignored": self.ignored})
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
+    """Read every run under ``logdir``: the runs with ``mpt/`` tags, and the names of the runs without.
+
+    Raises :class:`ReportError` for a missing directory or one without event files.
+    """
+    root = Path(logdir)
+    if not root.exists():
+        raise ReportError(f"{root}: no such directory; expected a TensorBoard log directory (a TensorBoardLogger's "
+                          "save_dir, or one run's version_N folder).")
+    if not root.is_dir():
+        raise ReportError(f"{root}: not a directory; expected a TensorBoard log directory, not a file.")
+    mux = EventMultiplexer(size_guidance=_SIZE_GUIDANCE).AddRunsFromDirectory(str(root))
+    mux.Reload()
+    names = sorted(mux.Runs())
+    if not names:
+        raise ReportError(f"{root}: no TensorBoard event files (events.out.tfevents.*) in it or below it; expected the "
+                          "log directory of a run trained with a TensorBoardLogger.")
+    runs, ignored = [], []
+    for name in names:
+        run = _read_run(name, root / name, mux.GetAccumulator(name))
+        if run.scalars or run.texts or run.exponents is not None:
+            runs.append(run)
+        else:
+            ignored.append(name)
+    return runs, ignored
+
+
+def _read_run(name: str, path: Path, acc: event_accumulator.EventAccumulator) -> RunData:
+    found = acc.Tags()
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in found["scalars"] if t.startswith(PREFIX)}
+    texts = {
+        t[: -len(_TEXT_SUFFIX)]: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(t)]
+        for t in found["tensors"]
+        if t.startswith(PREFIX) and t.endswith(_TEXT_SUFFIX)
+    }
+    exponent_tags = [t for t in found["histograms"] if t.startswith(tags.GRAD_EXPONENT + "/")]
+    last = {t: acc.Histograms(t)[-1] for t in exponent_tags}
+    return RunData(name, path, scalars, texts, _last_exponents(last))
+
+
+def _last_exponents(last: dict[str, Any]) -> Optional[ExponentHistogram]:
+    """Sum the exponent histograms of the last step any parameter's was logged at."""
+    if not last:
+        return None
+    step = max(e.step for e in last.values())
+    decoded = {
+        tag[len(tags.GRAD_EXPONENT) + 1 :]: h
+        for tag, e in sorted(last.items())
+        if e.step == step and (h := decode_exponent_histogram(e.histogram_value, step)) is not None
+    }
+    if not decoded:
+        return None
+    counts: Counter[int] = Counter()
+    for h in decoded.values():
+        counts.update(h.counts)
+    first = next(iter(decoded.values()))
+    return ExponentHistogram(
+        step=step,
+        format=first.format,
+        zero=sum(h.zero for h in decoded.values()),
+        nonfinite=sum(h.nonfinite for h in decoded.values()),
+        counts=dict(sorted(counts.items())),
+        parameters=list(decoded),
+    )
+
+
+def decode_exponent_histogram(h: Any, step: int) -> Optional[ExponentHistogram]:
+    """The counts per exponent in one ``HistogramProto`` that ``GradientHistogramMonitor`` wrote at ``step``.
+
+    Its layout (see the monitor's docstring): ``min``/``max`` are ``min_exponent - 3``/``max_exponent + 4``; the
+    bucket ending at ``min_exponent - 2`` counts zeros, the one ending at ``e + 1`` the values of exponent ``e``, the
+    one ending at ``max_exponent + 4`` inf/NaN; runs of empty buckets are merged, so only nonzero buckets matter.
+    ``None`` when the range is neither fp16's nor bf16's.
+    """
+    lo, hi = round(h.min) + 3, round(h.max) - 4
+    fmt = next((f for f in _FORMATS if (f.min_exponent, f.max_exponent) == (lo, hi)), None)
+    if fmt is None:
+        return None
+    zero = nonfinite = 0.0
+    counts: dict[int, float] = {}
+    for limit, count in zip(h.bucket_limit, h.bucket):
+        edge = round(limit)
+        if count == 0:
+            continue
+        if edge == lo - 2:
+            zero += count
+        elif edge == hi + 4:
+            nonfinite += count
+        elif lo < edge <= hi + 1:
+            counts[edge - 1] = counts.get(edge - 1, 0.0) + count
+    return ExponentHistogram(step, fmt.name, zero, nonfinite, counts, [])
+
+
+# ---------------------------------------------------------------------------------------------------- summaries
+def summarize(run: RunData) -> RunSummary:
+    """The summary of one run: steps, skips, scale statistics, the first overflow, the parameters most often
+    non-finite, the layers with the worst underflow and the update underflow."""
+    steps = 1 + max((s for series in run.scalars.values() for s, _ in series), default=-1)
+    overflow = run.series(tags.OVERFLOW)
+    skipped_series = run.series(tags.SKIPPED_STEPS)
+    # the cumulative count also covers steps before a resume; without it count the 0/1 flags
+    skipped = int(skipped_series[-1][1]) if skipped_series else sum(v > 0 for _, v in overflow)
+    names, complete = _nonfinite_params(run)
+    underflow_tag = next((t for t in UNDERFLOW_TAGS if run.per_parameter(t)), None)
+    return RunSummary(
+        run=run.name,
+        path=str(run.path),
+        format=run.exponents.format if run.exponents is not None else _format_from_marks(run),
+        steps=steps,
+        skipped_steps=skipped,
+        skipped_share=skipped / steps if steps else 0.0,
+        first_overflow_step=next((s for s, v in overflow if v > 0), None),
+        loss_nonfinite_steps=sum(v > 0 for _, v in run.series(tags.LOSS_NONFINITE)),
+        scale=Stats.of(run.series(tags.LOSS_SCALE)),
+        nonfinite_params=names,
+        nonfinite_names_complete=complete,
+        underflow_tag=underflow_tag,
+        worst_underflow=_ranked(run, underflow_tag) if underflow_tag else [],
+        flush=Stats.of(run.series(tags.GRAD_UNDERFLOW)),
+        subnormal=Stats.of(run.series(tags.GRAD_SUBNORMAL)),
+        update_underflow=Stats.of(run.series(tags.UPDATE_UNDERFLOW)),
+        worst_update_underflow=_ranked(run, tags.UPDATE_UNDERFLOW),
+        exponents=run.exponents,
+    )
+
+
+def _ranked(run: RunData, tag: str) -> list[Ranked]:
+    ranked = [Ranked(name, st) for name, series in run.per_parameter(tag).items() if (st := Stats.of(series))]
+    return sorted(ranked, key=lambda r: (-r.stats.mean, r.name))
+
+
+def _nonfinite_params(run: RunData) -> tuple[dict[str, int], bool]:
+    """Per parameter, the skipped steps its gradient was non-finite at, from LossScaleMonitor's texts.
+
+    Each skipped step's text names at most ``max_names`` parameters; the end-of-training summary counts all names
+    of its rows exactly, so its counts win where it has them (it is missing when training stopped on an error).
+    """
+    counts: Counter[str] = Counter()
+    complete = True
+    for _, text in run.texts.get(tags.NONFINITE_TEXT, []):
+        listed = text.partition("; loss")[0].partition("gradients: ")[2]
+        counts.update(_NAME.findall(listed))
+        complete &= _MORE.search(listed) is None
+    for _, text in run.texts.get(tags.OVERFLOW_SUMMARY, [])[-1:]:
+        for name, n in _SUMMARY_ROW.findall(text):
+            counts[name] = int(n)
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))), complete
+
+
+def _format_from_marks(run: RunData) -> Optional[str]:
+    marks = run.series(f"{tags.FORMAT_MARKS}/min_subnormal_exponent")
+    if not marks:
+        return None
+    return next((f.name for f in _FORMATS if f.min_exponent == round(marks[-1][1])), None)
+
+
+def build_report(logdir: Union[str, Path]) -> Report:
+    """Read and summarise every run under ``logdir``.
+
+    Raises :class:`ReportError` for a missing directory, one without event files, and runs without ``mpt/`` tags.
+    """
+    data, ignored = load_runs(logdir)
+    if not data:
+        raise ReportError(f"{logdir}: no mpt/ tags in the event files of {', '.join(ignored)}; expected a run trained "
+                          "with lightning_mpt's callbacks (LossScaleMonitor, UnderflowMonitor, "
+                          "GradientHistogramMonitor) and a TensorBoardLogger.")
+    return Report(str(logdir), [summarize(r) for r in data], data, ignored)
+
+
+# ---------------------------------------------------------------------------------------------------- the text
+def format_text(report: Report, top: int = 5) -> str:
+    """The report as text: a table with one column per run, then each run's lists (``top`` entries each)."""
+    runs = report.runs
+    rows: list[tuple[str, list[str]]] = [
+        ("format", [r.format or "?" for r in runs]),
+        ("optimizer steps", [str(r.steps) for r in runs]),
+        ("skipped steps", [f"{r.skipped_steps} ({_pct(r.skipped_share)})" for r in runs]),
+        ("first overflow at step", [_opt(r.first_overflow_step) for r in runs]),
+        ("skips with non-finite loss", [str(r.loss_nonfinite_steps) for r in runs]),
+        ("loss scale min", [_scale(r.scale and r.scale.min) for r in runs]),
+        ("loss scale median", [_scale(r.scale and r.scale.median) for r in runs]),
+        ("loss scale max", [_scale(r.scale and r.scale.max) for r in runs]),
+        ("loss scale last", [_scale(r.scale and r.scale.last) for r in runs]),
+        ("most often non-finite", [_first_count(r.nonfinite_params) for r in runs]),
+        ("flush fraction mean/max", [_mean_max(r.flush) for r in runs]),
+        ("subnormal fraction mean/max", [_mean_max(r.subnormal) for r in runs]),
+        ("worst underflow layer", [_first_ranked(r.worst_underflow) for r in runs]),
+        ("update underflow mean/last", [_mean_last(r.update_underflow) for r in runs]),
+    ]
+    head = ["", *(r.run if r.run != "." else Path(r.path).name for r in runs)]
+    table = [head, *([label, *cells] for label, cells in rows)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = [f"lightning-mpt report: {report.logdir} ({len(runs)} run{'s' if len(runs) != 1 else ''})", ""]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    for r, name in zip(runs, head[1:]):
+        lines += ["", f"{name}:"]
+        lines += _listing("parameters most often non-finite (skipped steps)",
+                          [f"{n}: {c}" for n, c in r.nonfinite_params.items()], top)
+        if not r.nonfinite_names_complete:
+            lines.append("    (some skipped steps listed only their first names: counts are lower bounds)")
+        if r.underflow_tag is None:
+            lines.append("  worst underflow by layer: not logged (UnderflowMonitor with per_parameter=True)")
+        else:
+            what = UNDERFLOW_TAGS[r.underflow_tag]
+            lines += _listing(f"worst underflow by layer ({what}, mean/max over logged steps)",
+                              [f"{x.name}: {_mean_max(x.stats)}" for x in r.worst_underflow if x.stats.max > 0], top,
+                              "none above 0%")
+        lines += _listing("update underflow by layer (mean/last)",
+                          [f"{x.name}: {_mean_last(x.stats)}" for x in r.worst_update_underflow if x.stats.max > 0],
+                          top, "none above 0%")
+    if report.ignored:
+        lines += ["", f"no mpt/ tags, not reported: {', '.join(report.ignored)}"]
+    return "\n".join(lines)
+
+
+def _listing(title: str, items: list[str], top: int, empty: str = "none") -> list[str]:
+    if not items:
+        return [f"  {title}: {empty}"]
+    more = [f"    ... and {len(items) - top} more"] if len(items) > top else []
+    return [f"  {title}:", *(f"    {item}" for item in items[:top]), *more]
+
+
+def _pct(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.3g}%" if x else "0%"
+
+
+def _scale(x: Optional[float]) -> str:
+    """Loss scales are powers of two: ``2^28`` reads better than ``2.68435e+08``."""
+    if x is None:
+        return "-"
+    exponent = math.log2(x) if x > 0 else 0.5
+    return f"2^{exponent:.0f}" if exponent.is_integer() and abs(exponent) >= 4 else f"{x:g}"
+
+
+def _opt(x: Optional[int]) -> str:
+    return "-" if x is None else str(x)
+
+
+def _mean_max(s: Optional[Stats]) -> str:
+    return "-" if s is None else f"{_pct(s.mean)} / {_pct(s.max)}"
+
+
+def _mean_last(s: Optional[Stats]) -> str:
+    return "-" if s is None else f"{_pct(s.mean)} / {_pct(s.last)}"
+
+
+def _first_count(counts: dict[str, int]) -> str:
+    return next((f"{n} ({c})" for n, c in counts.items()), "-")
+
+
+def _first_ranked(ranked: list[Ranked]) -> str:
+    return f"{ranked[0].name} ({_pct(ranked[0].stats.mean)})" if ranked and ranked[0].stats.max > 0 else "-"

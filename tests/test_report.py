@@ -1,0 +1,274 @@
+"""``lightning-mpt report`` on real runs: its numbers against the plugin's history and the event files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from models import InjectInf, TinyMLP, quiet_trainer, regression_data
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+
+from lightning_mpt import DynamicLossScaler, MPTPrecision
+from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
+from lightning_mpt.cli import main
+from lightning_mpt.numerics import FP16, exponent_bins, exponent_histograms
+from lightning_mpt.report import build_report, format_text
+
+STEPS = 10
+HIST_EVERY = 3  # exponent histograms at steps 0, 3, 6, 9: the last one is an overflow step
+INJECTED = {"net.3.weight": {2, 5}, "net.0.bias": {9}}  # skipped steps 2, 5, 9
+
+
+class ExponentProbe(L.Callback):
+    """The exponent histogram of the stored half gradients (after the injections), summed over parameters, at
+    ``step``: what the report must decode from ``mpt/grad_exponent/*``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.counts: dict[str, int] = {}
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_step == self.step:
+            grads = [p.grad for p in module.parameters() if p.dtype == torch.float16]
+            totals = exponent_histograms(grads, FP16).sum(0).tolist()
+            self.counts = dict(zip(exponent_bins(FP16), totals))
+
+
+class TinyGradients(TinyMLP):
+    """Its loss (and so every gradient) times 2^-18: without loss scaling, fp16 flushes a share of the gradients."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * 2.0**-18
+
+
+@dataclass
+class Runs:
+    root: Path
+    plugin: MPTPrecision  # run a
+    scale_monitor: LossScaleMonitor  # run a
+    probe: ExponentProbe  # run a
+
+
+def train(root: Path, name: str, model: L.LightningModule, plugin: MPTPrecision, callbacks: list) -> LossScaleMonitor:
+    monitors = [LossScaleMonitor(), GradientHistogramMonitor(every_n_steps=HIST_EVERY),
+                UnderflowMonitor(every_n_steps=1, reference_every_n_steps=2)]
+    logger = TensorBoardLogger(str(root), name=name, version=0)
+    trainer = quiet_trainer(plugins=[plugin], callbacks=[*callbacks, *monitors], logger=logger, max_steps=STEPS)
+    trainer.fit(model, regression_data(n=16 * STEPS))
+    return monitors[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Two real runs under one log directory: ``a`` (dynamic scale, injected overflows) and ``b`` (no scaling)."""
+    root = tmp_path_factory.mktemp("logs")
+    torch.manual_seed(0)
+    probe = ExponentProbe(step=9)
+    plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=2))
+    injections = [InjectInf(name, steps=steps) for name, steps in INJECTED.items()]
+    monitor = train(root, "a", TinyMLP(), plugin, [*injections, probe])
+    train(root, "b", TinyGradients(), MPTPrecision("fp16", scaler=1.0), [])
+    return Runs(root, plugin, monitor, probe)
+
+
+def scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    ea = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    ea.Reload()
+    return [(e.step, e.value) for e in ea.Scalars(tag)]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Check that ``path`` is a whole PNG (signature, chunk CRCs, IHDR first, IEND last, image data that inflates);
+    return its width and height."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    pos, kinds, idat = 8, [], b""
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, f"{path}: bad CRC in {kind!r}"
+        kinds.append(kind)
+        idat += body if kind == b"IDAT" else b""
+        pos += 12 + length
+    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND"
+    width, height = struct.unpack(">II", data[16:24])
+    assert len(zlib.decompress(idat)) > height  # one filter byte per row at least
+    return width, height
+
+
+# ------------------------------------------------------------------------------------------- the numbers
+def test_summary_equals_plugin_history(runs: Runs) -> None:
+    (s,) = build_report(runs.root / "a" / "version_0").runs
+    history = list(runs.plugin.history)
+    scales = [r.scale for r in history]
+    assert s.run == "." and s.format == "fp16"
+    assert s.steps == len(history) == STEPS
+    assert s.skipped_steps == runs.plugin.skipped_steps == sum(r.skipped for r in history) == 3
+    assert s.skipped_share == 3 / STEPS
+    assert s.first_overflow_step == next(r.step for r in history if r.skipped) == 2
+    assert s.scale is not None and s.scale.points == STEPS
+    assert (s.scale.min, s.scale.median, s.scale.max, s.scale.last) == (
+        min(scales), statistics.median(scales), max(scales), scales[-1])
+    assert s.nonfinite_params == dict(runs.scale_monitor.overflow_counts) == {"net.3.weight": 2, "net.0.bias": 1}
+    assert list(s.nonfinite_params) == ["net.3.weight", "net.0.bias"]  # most often first
+    assert s.nonfinite_names_complete and s.loss_nonfinite_steps == 0
+
+
+def test_underflow_numbers_equal_event_files(runs: Runs) -> None:
+    log_dir = runs.root / "a" / "version_0"
+    (s,) = build_report(log_dir).runs
+    assert s.underflow_tag == "mpt/grad_underflow_fraction"  # the fp32 reference ran
+    half = ["net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"]
+    assert sorted(r.name for r in s.worst_underflow) == sorted(half)
+    for ranked in s.worst_underflow:
+        values = [v for _, v in scalars(log_dir, f"mpt/grad_underflow_fraction/{ranked.name}")]
+        assert ranked.stats.points == len(values) == STEPS // 2  # reference every 2 steps
+        assert ranked.stats.mean == statistics.fmean(values) and ranked.stats.max == max(values)
+    update = scalars(log_dir, "mpt/update_underflow_fraction")
+    assert [step for step, _ in update] == [0, 1, 3, 4, 6, 7, 8]  # clean steps only
+    assert s.update_underflow is not None
+    assert (s.update_underflow.mean, s.update_underflow.last) == (statistics.fmean(v for _, v in update), update[-1][1])
+    means = [r.stats.mean for r in s.worst_update_underflow]
+    assert means == sorted(means, reverse=True) and len(means) == len(half)
+
+
+def test_flush_ranks_the_layers_of_an_unscaled_run(runs: Runs) -> None:
+    log_dir = runs.root / "b" / "version_0"
+    (s,) = build_report(log_dir).runs
+    assert s.skipped_steps == 0 and s.first_overflow_step is None
+    assert s.scale is not None and (s.scale.min, s.scale.max) == (1.0, 1.0)
+    assert s.flush is not None and s.flush.max > 0  # tiny gradients, no scaling: fp16 flushes some
+    means = {r.name: r.stats.mean for r in s.worst_underflow}
+    assert list(means.values()) == sorted(means.values(), reverse=True) and max(means.values()) > 0
+    for name, mean in means.items():
+        assert mean == statistics.fmean(v for _, v in scalars(log_dir, f"mpt/grad_underflow_fraction/{name}"))
+
+
+def test_exponent_histogram_decoded_from_the_last_logged_step(runs: Runs) -> None:
+    (s,) = build_report(runs.root / "a" / "version_0").runs
+    h = s.exponents
+    assert h is not None and h.step == 9 and h.format == "fp16"
+    assert h.parameters == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]
+    expected = runs.probe.counts
+    assert h.zero == expected["zero"] and h.nonfinite == expected["nonfinite"] == 1  # the inf injected at step 9
+    assert h.counts == {int(k): v for k, v in expected.items() if k not in ("zero", "nonfinite") and v}
+    assert h.zero + h.nonfinite + sum(h.counts.values()) == 16 * 32 + 32 + 32 * 4 + 4
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def table_row(text: str, label: str) -> list[str]:
+    (line,) = [line for line in text.splitlines() if line.startswith(label + "  ")]
+    return [cell for cell in line[len(label) :].split("  ") if cell.strip()]
+
+
+def test_text_compares_runs_side_by_side(runs: Runs, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(runs.root), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"lightning-mpt report: {runs.root} (2 runs)")
+    assert max(r.scale for r in runs.plugin.history) == 2.0**11
+    assert out.splitlines()[2].split() == ["a/version_0", "b/version_0"]
+    assert [c.strip() for c in table_row(out, "skipped steps")] == ["3 (30%)", "0 (0%)"]
+    assert [c.strip() for c in table_row(out, "first overflow at step")] == ["2", "-"]
+    assert [c.strip() for c in table_row(out, "loss scale max")] == ["2^11", "1"]
+    assert [c.strip() for c in table_row(out, "most often non-finite")] == ["net.3.weight (2)", "-"]
+    assert "    net.3.weight: 2\n    net.0.bias: 1" in out
+
+
+def test_json_and_plots(runs: Runs, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "plots"
+    assert main(["report", str(runs.root), "--json", "--out", str(out_dir)]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)  # stdout is only the JSON
+    assert data == build_report(runs.root).to_dict()
+    a, b = data["runs"]
+    assert (a["run"], a["skipped_steps"], a["first_overflow_step"], a["nonfinite_params"]) == (
+        "a/version_0", 3, 2, {"net.3.weight": 2, "net.0.bias": 1})
+    assert a["exponents"]["nonfinite"] == 1 and b["scale"]["median"] == 1.0
+    pngs = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*.png"))
+    per_run = ["exponent_histogram.png", "scale.png", "underflow_heatmap.png"]
+    assert pngs == [f"{r}/version_0/{f}" for r in "ab" for f in per_run] + ["scale_comparison.png"]
+    for png in pngs:
+        width, height = png_size(out_dir / png)
+        assert width >= 400 and height >= 150 and (out_dir / png).stat().st_size < 300_000
+        assert str(out_dir / png) in captured.err  # the paths are listed (on stderr: stdout is the JSON)
+
+
+def test_default_out_is_logdir_report(runs: Runs, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log_dir = tmp_path / "run"
+    shutil.copytree(runs.root / "b" / "version_0", log_dir)
+    assert main(["report", str(log_dir)]) == 0
+    assert sorted(p.name for p in (log_dir / "report").iterdir()) == [
+        "exponent_histogram.png", "scale.png", "underflow_heatmap.png"]
+    assert f"plots:\n  {log_dir / 'report' / 'scale.png'}" in capsys.readouterr().out
+    assert main(["report", str(log_dir), "--no-plots"]) == 0  # the report folder holds no event files: same run
+
+
+def test_plots_skipped_without_matplotlib(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` now raises ImportError
+    assert main(["report", str(runs.root / "a"), "--out", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert "skipped steps" in out
+    note = "plots skipped: matplotlib is not installed (pip install 'lightning-mpt[plots]')"
+    assert out.rstrip().splitlines()[-1] == note
+    assert not (tmp_path / "plots").exists()
+
+
+def test_runs_without_mpt_tags_are_named(runs: Runs, tmp_path: Path) -> None:
+    shutil.copytree(runs.root / "a", tmp_path / "a")
+    with SummaryWriter(str(tmp_path / "plain")) as writer:
+        writer.add_scalar("train_loss", 1.0, 0)
+    report = build_report(tmp_path)
+    assert [r.run for r in report.runs] == ["a/version_0"] and report.ignored == ["plain"]
+    assert format_text(report).endswith("no mpt/ tags, not reported: plain")
+
+
+@pytest.mark.parametrize(
+    "layout, expected",
+    [
+        ("missing", "no such directory; expected a TensorBoard log directory"),
+        ("file", "not a directory; expected a TensorBoard log directory"),
+        ("empty", "no TensorBoard event files (events.out.tfevents.*) in it or below it"),
+        ("no_mpt", "no mpt/ tags in the event files of plain; expected a run trained with lightning_mpt's callbacks"),
+    ],
+)
+def test_errors(layout: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logdir = tmp_path / "logs"
+    if layout == "file":
+        logdir.write_text("not a log")
+    elif layout == "empty":
+        (logdir / "version_0").mkdir(parents=True)
+    elif layout == "no_mpt":
+        with SummaryWriter(str(logdir / "plain")) as writer:
+            writer.add_scalar("train_loss", 1.0, 0)
+    assert main(["report", str(logdir)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"lightning-mpt report: error: {logdir}: ") and expected in line
+
+
+def test_console_script(runs: Runs) -> None:
+    """The installed ``lightning-mpt`` script (pyproject's [project.scripts]) runs the same command."""
+    script = shutil.which("lightning-mpt") or shutil.which("lightning-mpt", path=str(Path(sys.executable).parent))
+    assert script, "the lightning-mpt console script is not installed: run `pip install -e .`"
+    proc = subprocess.run([script, "report", str(runs.root / "a"), "--json", "--no-plots"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == build_report(runs.root / "a").to_dict()
