@@ -31,12 +31,13 @@ master. At the optimizer step it holds both the half gradients (hooks read them)
 frees when the next forward starts: 20 bytes per parameter at that moment, against 16 for ``"16-mixed"``. What it
 saves is the per-step weight copies, and in DDP half the gradient bytes to all-reduce. ``"16-true"`` is the
 smallest (8) because it keeps no fp32 copy at all, and pays for it in lost updates (see the concepts page).
-Saved activations drop to about 61% of fp32's, not 50%: softmax outputs, LayerNorm statistics and the loss stay
-fp32 under autocast, token ids are int64 and dropout masks are bool.
+Saved activations drop to about 61% of fp32's, not 50%: integer token ids, boolean masks, LayerNorm
+statistics and the loss do not shrink.
 
 On a GPU the peak allocated memory of the measured step is reported as well:
 
-    python examples/memory_breakdown.py --accelerator gpu --model bert --width 768 --depth 12 --batch-size 32
+    python examples/memory_breakdown.py --accelerator gpu --model bert --width 768 --depth 12 --heads 12 \
+        --batch-size 32
 """
 
 from __future__ import annotations
@@ -143,16 +144,16 @@ def _is_weight_cast(t: Tensor) -> bool:
     )
 
 
-def build(model: str, width: int, depth: int, n: int) -> tuple[L.LightningModule, Dataset]:
-    """One of the other examples' models, at the given width and depth, with ``n`` samples of its data."""
+def build(model: str, width: int, depth: int, heads: int, n: int) -> tuple[L.LightningModule, Dataset]:
+    """One of the other examples' models, at the given size, with ``n`` samples of its data."""
     if model == "bert":
         from bert_finetune import TinyBert, sentiment_data
 
-        return TinyBert(dim=width, layers=depth, heads=max(1, width // 16)), sentiment_data(n, 64, 32, seed=0)
+        return TinyBert(dim=width, layers=depth, heads=heads), sentiment_data(n, 64, 32, seed=0)
     if model == "vit":
         from vit_static_vs_dynamic import ViT
 
-        return ViT(dim=width, depth=depth, heads=max(1, width // 16), reduction="mean"), synthetic_images(n, 10, 16, 0)
+        return ViT(dim=width, depth=depth, heads=heads, reduction="mean"), synthetic_images(n, 10, 16, 0)
     if model == "resnet":
         from resnet_synthetic import ResNet
 
@@ -165,7 +166,7 @@ def measure(precision: str, args: Any, version: Optional[int] = None) -> dict[st
     last one."""
     L.seed_everything(0, verbose=False)
     probe = MemoryProbe(at_step=args.steps - 1)  # a later step: the optimizer's state exists by then
-    model, data = build(args.model, args.width, args.depth, args.batch_size * args.steps)
+    model, data = build(args.model, args.width, args.depth, args.heads, args.batch_size * args.steps)
     trainer = make_trainer(args, "memory_breakdown", run=precision, version=version, callbacks=[probe],
                            **precision_setup(precision, args.accelerator))
     trainer.fit(model, DataLoader(data, batch_size=args.batch_size))
@@ -175,15 +176,17 @@ def measure(precision: str, args: Any, version: Optional[int] = None) -> dict[st
 
 
 def format_table(results: dict[str, dict[str, int]]) -> str:
-    """A markdown table: bytes per parameter of each kind, and MiB saved for the backward per step."""
+    """A markdown table: bytes per parameter of each kind, MiB saved for the backward per step and, on CUDA, the
+    step's peak allocated MiB."""
+    peak = all("peak_allocated" in r for r in results.values())
     head = ("| precision | weights | masters | grads | master grads | optimizer state | total B/param "
-            "| activations MiB | weight copies MiB |")
+            "| activations MiB | weight copies MiB |" + (" peak MiB |" if peak else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in results.items():
         n = r["params"]
         kinds = [r[k] / n for k in ("weights", "masters", "grads", "master_grads", "optimizer_state")]
-        cells = [f"{v:.2f}" for v in kinds] + [f"{sum(kinds):.2f}", f"{r['activations'] / MiB:.2f}",
-                                               f"{r['weight_copies'] / MiB:.2f}"]
+        mib = [r["activations"], r["weight_copies"]] + ([r["peak_allocated"]] if peak else [])
+        cells = [f"{v:.2f}" for v in kinds] + [f"{sum(kinds):.2f}"] + [f"{v / MiB:.2f}" for v in mib]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -194,9 +197,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, int]]:
     p.add_argument("--model", choices=["bert", "vit", "resnet"], default="bert")
     p.add_argument("--width", type=int, default=64, help="model dim (bert, vit) or first-stage channels (resnet)")
     p.add_argument("--depth", type=int, default=2, help="layers (bert, vit) or blocks per stage (resnet)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (bert, vit)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
-    args = parse_args(p, argv, fast=dict(width=32, depth=1, batch_size=8))
+    args = parse_args(p, argv, fast=dict(width=32, depth=1, heads=2, batch_size=8))
     version = next_version(args.logdir, "memory_breakdown")
     results = {name: measure(name, args, version) for name in args.precisions}
     n = next(iter(results.values()))

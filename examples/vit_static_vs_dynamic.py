@@ -2,7 +2,7 @@
 
     python examples/vit_static_vs_dynamic.py          # two fp16 runs, about a minute on 2 CPU cores
     python examples/vit_static_vs_dynamic.py --fast   # a few seconds (what the tests run)
-    tensorboard --logdir runs/vit_static_vs_dynamic   # two runs side by side: static_1024 and dynamic
+    tensorboard --logdir runs/vit_static_vs_dynamic   # side by side: version_<n>/static_1024, version_<n>/dynamic
 
 The same small ViT (same seed, same data) is trained twice in fp16 with AdamW:
 
@@ -18,14 +18,15 @@ makes every gradient ``batch_size`` times larger than with a mean. The largest g
 between 30 and 270 as training goes on. A static scale of 1024 overflows whenever a gradient exceeds
 65504 / 1024 = 64: the scaled backward produces ``inf``.
 
-What you should see (printed at the end, and in TensorBoard as ``train_loss``, ``loss_scale``, ``skipped_steps``
-and ``overflow``):
+What you should see (printed at the end, and in TensorBoard as ``train_loss``, ``mpt/loss_scale``,
+``mpt/skipped_steps`` and ``mpt/overflow``, the "Mixed precision" dashboard of the Custom Scalars tab, and the
+gradient exponent histograms ``mpt/grad_exponent/...``, whose inf bucket fills up in the static run):
 
 * static 1024: most steps overflow and are skipped (about 80% by default, all of them with ``--fast``).
   ``MPTPrecision`` refuses to apply an ``inf`` gradient; code without that check would hold NaN weights after the
   first overflow. The few clean steps barely move the loss: training stalls. ``max_consecutive_skips`` is raised
   for this run so that it shows its skips instead of stopping with ``NonFiniteGradientError`` (the guard's default
-  is 50 skips in a row).
+  is 50 skips in a row). The summary names the parameters that held the inf: ``cls_token`` and ``positions``.
 * dynamic: the first 7 steps overflow while the scale halves from 65536 to 512; when the gradients grow it backs
   off once or twice more (to 128 by default), and every other step is applied. The loss falls from ln(10) = 2.3 to
   about 0.1.

@@ -9,12 +9,15 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bert_finetune  # noqa: E402
 import memory_breakdown  # noqa: E402
 import quickstart  # noqa: E402
 import resnet_synthetic  # noqa: E402
+import run_all  # noqa: E402
 import vit_static_vs_dynamic  # noqa: E402
 
 
@@ -115,3 +118,19 @@ def test_memory_lightning_precisions(memory: dict[str, dict[str, int]]) -> None:
     for name in ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "mpt-fp16", "mpt-bf16"):
         assert memory[name]["activations"] < 0.8 * memory["32-true"]["activations"]
     assert memory["mpt-fp16"]["activations"] <= memory["16-mixed"]["activations"]
+
+
+def test_benchmark_table(tmp_path: Path) -> None:
+    out = run_all.main(["--workloads", "deep_mlp", "--precisions", "32-true", "mpt-fp16", "--steps", "6"])
+    rows = [line for line in out["markdown"].splitlines() if line.startswith("| deep_mlp")]
+    assert len(rows) == 2 and "| mpt-fp16 |" in rows[1]
+    assert "cores" in out["machine"] and "torch" in out["machine"]
+    mpt = out["results"]["deep_mlp"]["mpt-fp16"]
+    assert mpt["weights"] == 2 * mpt["params"] and mpt["masters"] == 4 * mpt["params"]  # no norm layers
+    assert mpt["seconds_per_step"] > 0
+    # --update pastes the table between the markers, and only there
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{run_all.MARKERS[0]}\nold\n{run_all.MARKERS[1]}\noutro\n")
+    run_all.paste(page, out["markdown"])
+    text = page.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text and rows[1] in text

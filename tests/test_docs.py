@@ -1,0 +1,125 @@
+"""Every ```python block of docs/*.md and README.md runs, one test per block.
+
+The blocks of one page share a namespace and run in page order, so a page can build up state (a model in one
+block, a Trainer in the next). Running one block alone (``pytest -k "concepts.md and 3"``) first runs the blocks
+before it. Each page runs in its own temporary working directory, so logs and checkpoints land there.
+
+Code that cannot run on a CPU in seconds (a GPU, a cluster, a long training) belongs in a ```bash or ```text
+block; fences must name their language, so a python block cannot slip through unlabeled.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import textwrap
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+# a fenced block: opening fence (maybe indented, e.g. inside an admonition), its info string, body, closing fence
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    number: int  # 1-based among the page's python blocks
+    line: int  # of the opening fence
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.name}:{self.number}"
+
+
+def fences(page: Path) -> list[tuple[str, int, str]]:
+    """``(info string, line of the opening fence, dedented body)`` of each fenced block of ``page``."""
+    text = page.read_text(encoding="utf-8")
+    return [
+        (m["info"].strip(), text.count("\n", 0, m.start()) + 1, textwrap.dedent(m["body"]))
+        for m in FENCE.finditer(text)
+    ]
+
+
+def python_blocks(page: Path) -> list[Block]:
+    found = [(line, body) for info, line, body in fences(page) if info.split(" ")[0] in ("python", "py")]
+    return [Block(page, i, line, body) for i, (line, body) in enumerate(found, 1)]
+
+
+BLOCKS = [b for page in PAGES for b in python_blocks(page)]
+
+
+class _Page:
+    """The shared namespace of one page and how many of its blocks have run in it."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.namespace: dict[str, Any] = {}
+        self.done = 0
+
+
+_pages: dict[Path, _Page] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Any:
+    """Docs code runs tiny models: intra-op threads only cost time, a lot of it on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_python_block(block: Block, tmp_path_factory: pytest.TempPathFactory) -> None:
+    page = _pages.get(block.page)
+    if page is None or page.done >= block.number:  # first visit, or a re-run: start the page afresh
+        page = _pages[block.page] = _Page(tmp_path_factory.mktemp(block.page.stem))
+    cwd = os.getcwd()
+    os.chdir(page.workdir)
+    try:
+        failure = _run_through(page, python_blocks(block.page)[page.done : block.number])
+    finally:
+        os.chdir(cwd)
+    if failure is not None:
+        failed, trace = failure
+        builds_on = "" if failed == block else f", which block {block.number} builds on,"
+        pytest.fail(f"{block.page.name}: python block {failed.number} (line {failed.line}){builds_on} failed:\n{trace}",
+                    pytrace=False)
+
+
+def _run_through(page: _Page, blocks: list[Block]) -> Optional[tuple[Block, str]]:
+    """Run ``blocks`` in order in the page's namespace; return the first that fails and its traceback."""
+    for b in blocks:
+        filename = f"{b.page.relative_to(ROOT)}:{b.line} (python block {b.number})"
+        linecache.cache[filename] = (len(b.code), None, b.code.splitlines(keepends=True), filename)  # for tracebacks
+        code = compile(b.code, filename, "exec")
+        try:
+            exec(code, page.namespace)
+        except Exception:
+            return b, traceback.format_exc()
+        page.done = b.number
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_fences_name_their_language(page: Path) -> None:
+    unlabeled = [line for info, line, _ in fences(page) if not info]
+    assert not unlabeled, f"{page.name}: fenced blocks without a language at lines {unlabeled} (python, bash, text, ...)"
+
+
+def test_blocks_are_found() -> None:
+    """The parser sees the blocks it should: an indented fence, a fence with attributes, the line numbers."""
+    page = ROOT / "docs" / "index.md"
+    assert any(b.page == page for b in BLOCKS)
+    sample = "text\n\n```python title=\"a.py\"\nx = 1\n```\n\n!!! note\n    ```python\n    y = x + 1\n    ```\n"
+    matches = list(FENCE.finditer(sample))
+    assert [m["info"] for m in matches] == ['python title="a.py"', "python"]
+    assert textwrap.dedent(matches[1]["body"]) == "y = x + 1\n"
