@@ -35,6 +35,7 @@ from lightning_mpt.callbacks import dashboard as tags
 from lightning_mpt.numerics import BF16, FP16, FloatFormat
 
 __all__ = [
+    "UNDERFLOW_TAGS",
     "ExponentHistogram",
     "Ranked",
     "Report",
@@ -43,6 +44,8 @@ __all__ = [
     "RunSummary",
     "Stats",
     "build_report",
+    "decode_exponent_histogram",
+    "format_scale",
     "format_text",
     "load_runs",
     "summarize",
@@ -202,6 +205,12 @@ def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
     """Read every run under ``logdir``: the runs with ``mpt/`` tags, and the names of the runs without.
 
     Raises :class:`ReportError` for a missing directory or one without event files.
+
+    Example::
+
+        runs, ignored = load_runs("runs")
+        scales = runs[0].series("mpt/loss_scale")          # [(step, scale), ...], every point
+        flush = runs[0].per_parameter("mpt/grad_underflow_fraction")   # {param name: [(step, fraction), ...]}
     """
     root = Path(logdir)
     if not root.exists():
@@ -294,7 +303,14 @@ def decode_exponent_histogram(h: Any, step: int) -> Optional[ExponentHistogram]:
 # ---------------------------------------------------------------------------------------------------- summaries
 def summarize(run: RunData) -> RunSummary:
     """The summary of one run: steps, skips, scale statistics, the first overflow, the parameters most often
-    non-finite, the layers with the worst underflow and the update underflow."""
+    non-finite, the layers with the worst underflow and the update underflow.
+
+    Example::
+
+        runs, _ = load_runs("runs")
+        summary = summarize(runs[0])
+        print(summary.skipped_steps, summary.first_overflow_step, list(summary.nonfinite_params)[:3])
+    """
     steps = 1 + max((s for series in run.scalars.values() for s, _ in series), default=-1)
     overflow = run.series(tags.OVERFLOW)
     skipped_series = run.series(tags.SKIPPED_STEPS)
@@ -358,6 +374,11 @@ def build_report(logdir: Union[str, Path]) -> Report:
     """Read and summarise every run under ``logdir``.
 
     Raises :class:`ReportError` for a missing directory, one without event files, and runs without ``mpt/`` tags.
+
+    Example::
+
+        report = build_report("runs")
+        worst = {r.run: r.worst_underflow[0].name for r in report.runs if r.worst_underflow}
     """
     data, ignored = load_runs(logdir)
     if not data:
@@ -369,7 +390,12 @@ def build_report(logdir: Union[str, Path]) -> Report:
 
 # ---------------------------------------------------------------------------------------------------- the text
 def format_text(report: Report, top: int = 5) -> str:
-    """The report as text: a table with one column per run, then each run's lists (``top`` entries each)."""
+    """The report as text: a table with one column per run, then each run's lists (``top`` entries each).
+
+    Example::
+
+        print(format_text(build_report("runs"), top=10))
+    """
     runs = report.runs
     rows: list[tuple[str, list[str]]] = [
         ("format", [r.format or "?" for r in runs]),
@@ -377,10 +403,10 @@ def format_text(report: Report, top: int = 5) -> str:
         ("skipped steps", [f"{r.skipped_steps} ({_pct(r.skipped_share)})" for r in runs]),
         ("first overflow at step", [_opt(r.first_overflow_step) for r in runs]),
         ("skips with non-finite loss", [str(r.loss_nonfinite_steps) for r in runs]),
-        ("loss scale min", [_scale(r.scale and r.scale.min) for r in runs]),
-        ("loss scale median", [_scale(r.scale and r.scale.median) for r in runs]),
-        ("loss scale max", [_scale(r.scale and r.scale.max) for r in runs]),
-        ("loss scale last", [_scale(r.scale and r.scale.last) for r in runs]),
+        ("loss scale min", [format_scale(r.scale and r.scale.min) for r in runs]),
+        ("loss scale median", [format_scale(r.scale and r.scale.median) for r in runs]),
+        ("loss scale max", [format_scale(r.scale and r.scale.max) for r in runs]),
+        ("loss scale last", [format_scale(r.scale and r.scale.last) for r in runs]),
         ("most often non-finite", [_first_count(r.nonfinite_params) for r in runs]),
         ("flush fraction mean/max", [_mean_max(r.flush) for r in runs]),
         ("subnormal fraction mean/max", [_mean_max(r.subnormal) for r in runs]),
@@ -426,8 +452,8 @@ def _pct(x: Optional[float]) -> str:
     return f"{100 * x:.3g}%" if x else "0%"
 
 
-def _scale(x: Optional[float]) -> str:
-    """Loss scales are powers of two: ``2^28`` reads better than ``2.68435e+08``."""
+def format_scale(x: Optional[float]) -> str:
+    """A loss scale as text: powers of two from 16 up as ``2^28`` (not ``2.68435e+08``), ``-`` for ``None``."""
     if x is None:
         return "-"
     exponent = math.log2(x) if x > 0 else 0.5

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_mpt.callbacks import dashboard as tags
-from lightning_mpt.report import UNDERFLOW_TAGS, ExponentHistogram, Report, RunData, RunSummary
+from lightning_mpt.report import UNDERFLOW_TAGS, ExponentHistogram, Report, RunData, RunSummary, format_scale
 
 __all__ = ["plot_exponents", "plot_scale", "plot_underflow_heatmap", "write_plots"]
 
@@ -128,19 +128,22 @@ def plot_exponents(hist: ExponentHistogram, path: Union[str, Path], scale: Optio
     ax.axvspan(lo - 2, lo - 0.5, color="0.85", lw=0)  # below 2^lo: flushed to zero
     ax.axvspan(lo - 0.5, normal - 0.5, color="C1", alpha=0.15, lw=0, label=f"subnormal (2^{lo} .. 2^{normal})")
     ax.axvspan(hi + 0.5, hi + 2, color="C3", alpha=0.15, lw=0)  # above the max: overflows to inf
-    for x, text in ((lo - 0.5, f"min subnormal 2^{lo}"), (normal - 0.5, f"min normal 2^{normal}"),
-                    (hi + 0.5, f"max {fmt.max:.5g}")):
+    # labels outside the subnormal band, so that they do not overlap where the band is narrow (bf16)
+    marks = ((lo - 0.5, f"min subnormal 2^{lo}", "right"), (normal - 0.5, f"min normal 2^{normal}", "left"),
+             (hi + 0.5, f"max {fmt.max:.5g}", "right"))
+    for x, text, side in marks:
         ax.axvline(x, color="k", ls="--", lw=0.8)
-        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
+        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha=side,
                     fontsize="x-small")
-    every = 4 if fmt.name == "fp16" else 16
-    ticks = [t for t in range(lo, hi + 1) if t % every == 0]
+    every = 4 if fmt.name == "fp16" else 32
+    # exponent ticks, minus those that would collide with the "0" and "inf/NaN" labels at the ends
+    ticks = [t for t in range(lo, hi + 1) if t % every == 0 and lo - 3 + every / 2 <= t <= hi + 3 - every / 2]
     ax.set_xticks([lo - 3, *ticks, hi + 3], ["0", *map(str, ticks), "inf/NaN"], fontsize="small")
     ax.set_xlim(lo - 4, hi + 4)
     ax.set_yscale("symlog", linthresh=1)  # the one inf and the bulk of the values on one chart
     ax.set_xlabel("exponent floor(log2 |g x scale|) of the stored gradient")
     ax.set_ylabel("values")
-    at = f"step {hist.step}" + (f", loss scale 2^{math.log2(scale):g}" if scale and scale > 0 else "")
+    at = f"step {hist.step}" + (f", loss scale {format_scale(scale)}" if scale is not None else "")
     ax.set_title(f"Stored {fmt.name} gradients at {at} ({len(hist.parameters)} parameters)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="x-small")
     return _save(fig, path)

@@ -11,7 +11,7 @@ import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -24,8 +24,9 @@ from torch.utils.tensorboard import SummaryWriter
 from lightning_mpt import DynamicLossScaler, MPTPrecision
 from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
 from lightning_mpt.cli import main
-from lightning_mpt.numerics import FP16, exponent_bins, exponent_histograms
-from lightning_mpt.report import build_report, format_text
+from lightning_mpt.numerics import BF16, FP16, FloatFormat, exponent_bins, exponent_histograms
+from lightning_mpt.report import ExponentHistogram, build_report, format_text
+from lightning_mpt.report_plots import write_plots
 
 STEPS = 10
 HIST_EVERY = 3  # exponent histograms at steps 0, 3, 6, 9: the last one is an overflow step
@@ -36,15 +37,20 @@ class ExponentProbe(L.Callback):
     """The exponent histogram of the stored half gradients (after the injections), summed over parameters, at
     ``step``: what the report must decode from ``mpt/grad_exponent/*``."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, fmt: FloatFormat = FP16) -> None:
+        self.step, self.fmt = step, fmt
         self.counts: dict[str, int] = {}
 
     def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.global_step == self.step:
-            grads = [p.grad for p in module.parameters() if p.dtype == torch.float16]
-            totals = exponent_histograms(grads, FP16).sum(0).tolist()
-            self.counts = dict(zip(exponent_bins(FP16), totals))
+            grads = [p.grad for p in module.parameters() if p.dtype == self.fmt.dtype]
+            totals = exponent_histograms(grads, self.fmt).sum(0).tolist()
+            self.counts = dict(zip(exponent_bins(self.fmt), totals))
+
+    def assert_decoded(self, h: Optional[ExponentHistogram]) -> None:
+        assert h is not None and h.step == self.step and h.format == self.fmt.name
+        assert (h.zero, h.nonfinite) == (self.counts["zero"], self.counts["nonfinite"])
+        assert h.counts == {int(k): v for k, v in self.counts.items() if k not in ("zero", "nonfinite") and v}
 
 
 class TinyGradients(TinyMLP):
@@ -161,12 +167,27 @@ def test_flush_ranks_the_layers_of_an_unscaled_run(runs: Runs) -> None:
 def test_exponent_histogram_decoded_from_the_last_logged_step(runs: Runs) -> None:
     (s,) = build_report(runs.root / "a" / "version_0").runs
     h = s.exponents
-    assert h is not None and h.step == 9 and h.format == "fp16"
+    runs.probe.assert_decoded(h)
+    assert h is not None and h.step == 9 and h.nonfinite == 1  # the inf injected at step 9
     assert h.parameters == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]
-    expected = runs.probe.counts
-    assert h.zero == expected["zero"] and h.nonfinite == expected["nonfinite"] == 1  # the inf injected at step 9
-    assert h.counts == {int(k): v for k, v in expected.items() if k not in ("zero", "nonfinite") and v}
     assert h.zero + h.nonfinite + sum(h.counts.values()) == 16 * 32 + 32 + 32 * 4 + 4
+
+
+def test_bf16_run(tmp_path: Path) -> None:
+    """bf16: no scaling, the exponent axis spans bf16's range (-133 .. 127); the plots are drawn for it too."""
+    probe = ExponentProbe(step=2, fmt=BF16)
+    monitors = [probe, LossScaleMonitor(), GradientHistogramMonitor(every_n_steps=1)]
+    logger = TensorBoardLogger(str(tmp_path), name="bf16", version=0)
+    quiet_trainer(plugins=[MPTPrecision("bf16")], callbacks=monitors, logger=logger, max_steps=3).fit(
+        TinyMLP(), regression_data())
+    report = build_report(tmp_path)
+    (s,) = report.runs
+    assert (s.format, s.steps, s.skipped_steps) == ("bf16", 3, 0)
+    assert s.scale is not None and (s.scale.min, s.scale.max) == (1.0, 1.0)
+    probe.assert_decoded(s.exponents)
+    paths = write_plots(report, tmp_path / "plots")
+    assert [p.name for p in paths] == ["scale.png", "exponent_histogram.png"]  # no UnderflowMonitor: no heatmap
+    assert all(png_size(p) for p in paths)
 
 
 # ------------------------------------------------------------------------------------------------ the command
