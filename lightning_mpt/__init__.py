@@ -1,12 +1,13 @@
 """lightning-mpt: mixed-precision training for PyTorch Lightning with fp32 master weights, a tunable dynamic
 loss scaler, and diagnostics of the numerics.
 
-Example::
-
+Example:
+    ```python
     import lightning as L
     from lightning_mpt import MPTPrecision
 
     trainer = L.Trainer(plugins=[MPTPrecision("fp16")])
+    ```
 """
 
 from lightning_mpt.precision import MPTPrecision, NonFiniteGradientError, StepRecord

@@ -4,11 +4,12 @@
 :mod:`lightning_mpt.report`) and writes PNG plots to ``--out`` (default ``LOGDIR/report``) when matplotlib is
 installed.
 
-Example::
-
+Example:
+    ```python
     from lightning_mpt.cli import main
 
     exit_code = main(["report", "runs", "--json", "--no-plots"])
+    ```
 """
 
 from __future__ import annotations

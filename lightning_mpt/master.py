@@ -96,8 +96,8 @@ class MasterWeights:
         keep_fp32: module types whose parameters stay fp32.
         enabled: keep masters; ``False`` leaves the half weights as the only copy (steps update them directly).
 
-    Example::
-
+    Example:
+        ```python
         model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
         mw = MasterWeights(torch.float16)
         mw.convert(model)
@@ -105,6 +105,7 @@ class MasterWeights:
         assert mw.master_of(model[0].weight).dtype == torch.float32
         mw.restore()
         assert model[0].weight.dtype == torch.float32
+        ```
     """
 
     def __init__(

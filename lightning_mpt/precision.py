@@ -78,12 +78,13 @@ class MPTPrecision(Precision):
         keep_fp32: module types whose parameters and buffers stay fp32 (all norm layers by default).
         max_consecutive_skips: raise :class:`NonFiniteGradientError` after this many skipped steps in a row.
 
-    Example::
-
+    Example:
+        ```python
         import lightning as L
         from lightning_mpt import DynamicLossScaler, MPTPrecision
 
         trainer = L.Trainer(plugins=[MPTPrecision("fp16", scaler=DynamicLossScaler(growth_interval=1000))])
+        ```
     """
 
     def __init__(
@@ -152,10 +153,11 @@ class MPTPrecision(Precision):
     def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
         """``(name, half parameter, fp32 master)`` for each parameter with a master (during a stage).
 
-        Example::
-
+        Example:
+            ```python
             for name, param, master in plugin.named_masters():
                 print(name, param.dtype, master.dtype)   # e.g. "layer.weight torch.float16 torch.float32"
+            ```
         """
         return self._masters.named_masters()
 

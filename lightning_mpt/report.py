@@ -6,8 +6,8 @@ under the log directory that holds event files is a run; runs without ``mpt/`` t
 :attr:`Report.ignored`. All steps are optimizer steps, counted from 0 with skipped steps included (the x axis of
 the monitors).
 
-Example::
-
+Example:
+    ```python
     from lightning_mpt.report import build_report, format_text
 
     report = build_report("runs")            # a TensorBoardLogger save_dir, or one version_N folder
@@ -15,6 +15,7 @@ Example::
     run = report.runs[0]
     print(run.skipped_steps, run.scale.median if run.scale else None, run.first_overflow_step)
     print(report.to_json())
+    ```
 """
 
 from __future__ import annotations
@@ -206,11 +207,12 @@ def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
 
     Raises :class:`ReportError` for a missing directory or one without event files.
 
-    Example::
-
+    Example:
+        ```python
         runs, ignored = load_runs("runs")
         scales = runs[0].series("mpt/loss_scale")          # [(step, scale), ...], every point
         flush = runs[0].per_parameter("mpt/grad_underflow_fraction")   # {param name: [(step, fraction), ...]}
+        ```
     """
     root = Path(logdir)
     if not root.exists():
@@ -305,11 +307,12 @@ def summarize(run: RunData) -> RunSummary:
     """The summary of one run: steps, skips, scale statistics, the first overflow, the parameters most often
     non-finite, the layers with the worst underflow and the update underflow.
 
-    Example::
-
+    Example:
+        ```python
         runs, _ = load_runs("runs")
         summary = summarize(runs[0])
         print(summary.skipped_steps, summary.first_overflow_step, list(summary.nonfinite_params)[:3])
+        ```
     """
     steps = 1 + max((s for series in run.scalars.values() for s, _ in series), default=-1)
     overflow = run.series(tags.OVERFLOW)
@@ -375,10 +378,11 @@ def build_report(logdir: Union[str, Path]) -> Report:
 
     Raises :class:`ReportError` for a missing directory, one without event files, and runs without ``mpt/`` tags.
 
-    Example::
-
+    Example:
+        ```python
         report = build_report("runs")
         worst = {r.run: r.worst_underflow[0].name for r in report.runs if r.worst_underflow}
+        ```
     """
     data, ignored = load_runs(logdir)
     if not data:
@@ -392,9 +396,10 @@ def build_report(logdir: Union[str, Path]) -> Report:
 def format_text(report: Report, top: int = 5) -> str:
     """The report as text: a table with one column per run, then each run's lists (``top`` entries each).
 
-    Example::
-
+    Example:
+        ```python
         print(format_text(build_report("runs"), top=10))
+        ```
     """
     runs = report.runs
     rows: list[tuple[str, list[str]]] = [

@@ -3,12 +3,13 @@
 Figures are built with matplotlib's object API (``Figure``, no ``pyplot``), so writing them changes no global
 state: no backend switch, no open windows, nothing left in a notebook.
 
-Example::
-
+Example:
+    ```python
     from lightning_mpt.report import build_report
     from lightning_mpt.report_plots import write_plots
 
     paths = write_plots(build_report("runs"), "runs/report")   # ImportError without matplotlib
+    ```
 """
 
 from __future__ import annotations

@@ -34,12 +34,13 @@ class DynamicLossScaler:
         min_scale: floor of the scale; ``> 0``.
         max_scale: ceiling of the scale; ``>= min_scale`` (``math.inf`` for none).
 
-    Example::
-
+    Example:
+        ```python
         scaler = DynamicLossScaler(init_scale=1024, growth_interval=100, hysteresis=2)
         scaler.update(found_inf=True)   # first overflow: tolerated by hysteresis
         scaler.update(found_inf=True)   # second: backs off
         assert scaler.get_scale() == 512.0
+        ```
     """
 
     def __init__(
@@ -83,9 +84,10 @@ class DynamicLossScaler:
     def static(cls, scale: float) -> DynamicLossScaler:
         """A scaler that never changes: ``min_scale == max_scale == scale``.
 
-        Example::
-
+        Example:
+            ```python
             assert DynamicLossScaler.static(1024.0).is_static
+            ```
         """
         return cls(init_scale=scale, min_scale=scale, max_scale=scale)
 
@@ -143,11 +145,12 @@ class DynamicLossScaler:
     def state_dict(self) -> dict[str, Any]:
         """The scale, the trackers and the configuration.
 
-        Example::
-
+        Example:
+            ```python
             other = DynamicLossScaler()
             other.load_state_dict(DynamicLossScaler(init_scale=8.0).state_dict())
             assert other.scale == 8.0
+            ```
         """
         state = {k: getattr(self, "_" + k) for k in _STATE_KEYS}
         state.update({k: getattr(self, k) for k in _CONFIG_KEYS})
