@@ -2,11 +2,14 @@
 
 On the bf16 transformer of ``benchmarks/common.py`` under ``MPTPrecision("bf16")``, all in one process:
 
-1. **Default cadence vs none**: runs without callbacks and with ``LossScaleMonitor()``,
-   ``GradientHistogramMonitor()`` and ``UnderflowMonitor()`` alternate (``--rounds`` pairs, so that drift in machine
-   load hits both); the ratio of their step times (median and mean). A short run sees mostly steps where only the
-   loss scale is logged, so the script also reports the **amortized** overhead: the measured cost of each kind of
-   logging step (from run 2) divided by how often it happens at the default cadence.
+1. **Default cadence vs none, in one run**: the three monitors at their default cadence (``LossScaleMonitor()``,
+   ``GradientHistogramMonitor()``, ``UnderflowMonitor()``) are switched on and off in alternating blocks of 7
+   optimizer steps (their batch hooks run or not, as a whole batch at a time), and the step times of the "on" and
+   "off" blocks are compared. Neighbouring blocks share the machine's load, which on a shared machine drifts far
+   more between separate runs than the overhead itself. 520 steps span a whole period of the cadence (fractions
+   every 50, histograms every 100, the fp32 reference every 500); with blocks of 7, the logging steps fall into
+   "on" blocks about half the time, as the steps do. The script also reports the **amortized** overhead: the
+   measured cost of each kind of logging step (from part 2) divided by how often it happens by default.
 2. **Logging at every step** (all three monitors, fp32 reference included): step-time ratio, time per hook, and
    host syncs per step (calls to ``Tensor.item``/``tolist``/``__bool__``/``__float__``/``__int__`` counted through
    wrappers), against the same count without callbacks: all parameters' statistics cost one sync per step.
@@ -139,14 +142,49 @@ def dir_bytes(path: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------- parts
-def default_vs_none(steps: int, rounds: int, tmp: str) -> tuple[_Clock, _Clock]:
-    base, monitored = _Clock(), _Clock()
-    for r in range(rounds):
-        for total, callbacks, name in ((base, [], "base"), (monitored, default_monitors(), "default")):
-            clock = run(steps, callbacks, f"{tmp}/{name}{r}")
-            total.wall += clock.wall
-            total.cpu += clock.cpu
-    return base, monitored
+class _Gate:
+    """Runs the wrapped callbacks' batch hooks only in every other block of ``block`` optimizer steps."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.on = False
+
+    def decide(self, trainer: L.Trainer) -> None:
+        self.on = (trainer.global_step // self.block) % 2 == 1
+
+    def wrap(self, callback: L.Callback) -> L.Callback:
+        for name in HOOKS:
+            method = getattr(callback, name)
+
+            def gated(*args: Any, _method: Callable = method, **kwargs: Any) -> Any:
+                return _method(*args, **kwargs) if self.on else None
+
+            setattr(callback, name, gated)
+        return callback
+
+
+def default_on_off(steps: int, block: int, tmp: str) -> tuple[list[tuple[bool, float, float, int]], int]:
+    """``(on, wall, cpu, step)`` per step after warm-up of one run whose monitors are gated by blocks; the block."""
+    gate = _Gate(block)
+    records: list[tuple[bool, float, float, int]] = []
+    t0 = [0.0, 0.0]
+
+    class Start(L.Callback):  # first: decides the block, starts the clocks
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            gate.decide(trainer)
+            t0[:] = [time.perf_counter(), time.process_time()]
+
+    class End(L.Callback):  # last: after every monitor's batch-end work
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step > 5:
+                step = trainer.global_step - 1  # the step this batch took
+                records.append((gate.on, time.perf_counter() - t0[0], time.process_time() - t0[1], step))
+
+    monitors = [gate.wrap(m) for m in default_monitors()]
+    logger = TensorBoardLogger(f"{tmp}/gated", name="", version=0)
+    time_steps("transformer", steps, plugin=MPTPrecision("bf16"), callbacks=[Start(), *monitors, End()],
+               accelerator="cpu", logger=logger)
+    return records, block
 
 
 def every_step(steps: int, tmp: str) -> dict[str, Any]:
@@ -183,17 +221,18 @@ def event_bytes(steps: int, tmp: str) -> int:
 # -------------------------------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per timed run (5 warm-up excluded)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating pairs of runs without/with callbacks")
+    parser.add_argument("--steps", type=int, default=520,
+                        help="optimizer steps of the on/off run (5 warm-up excluded); 520 span a reference period")
+    parser.add_argument("--block", type=int, default=7, help="steps per on/off block")
     parser.add_argument("--every-steps", type=int, default=16, help="steps of the logging-at-every-step runs")
     parser.add_argument("--bytes-steps", type=int, default=1000, help="steps of the event-bytes run")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.rounds, args.every_steps, args.bytes_steps = 8, 1, 8, 100
+        args.steps, args.every_steps, args.bytes_steps = 40, 8, 100
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with tempfile.TemporaryDirectory() as tmp:
-        base, monitored = default_vs_none(args.steps, args.rounds, tmp)
+        gated, block = default_on_off(args.steps, args.block, tmp)
         every = every_step(args.every_steps, tmp)
         nbytes = event_bytes(args.bytes_steps, tmp)
 
@@ -204,10 +243,21 @@ def main() -> None:
                 f" wall time: median {med(b.wall) / med(a.wall):.3f}, mean {mean(b.wall) / mean(a.wall):.3f}")
 
     print(f"\n== bf16 transformer (MPTPrecision('bf16'), CPU, {torch.get_num_threads()} threads) ==")
-    print(f"step without callbacks: CPU time median {med(base.cpu) * 1e3:.0f} ms, wall time median"
-          f" {med(base.wall) * 1e3:.0f} ms ({len(base.wall)} steps)")
-    print(f"1. three callbacks at default cadence vs none ({args.rounds} alternating pairs of runs, one process):")
-    print(f"   {ratios(base, monitored)}")
+    off = [r for r in gated if not r[0]]
+    on = [r for r in gated if r[0]]
+    print(f"step without callbacks: CPU time median {med([r[2] for r in off]) * 1e3:.0f} ms, wall time median"
+          f" {med([r[1] for r in off]) * 1e3:.0f} ms")
+    # pair each "on" block with the "off" block before it: both saw about the same machine load
+    pairs: dict[int, dict[bool, list[tuple[bool, float, float, int]]]] = defaultdict(lambda: {True: [], False: []})
+    for r in gated:
+        pairs[r[3] // (2 * block)][r[0]].append(r)
+    pair_ratios = [mean([r[2] for r in p[True]]) / mean([r[2] for r in p[False]])
+                   for p in pairs.values() if p[True] and p[False]]
+    print(f"1. three callbacks at default cadence, on vs off in alternating blocks of {block} steps of one run"
+          f" ({len(on)} steps on, {len(off)} off, {len(pair_ratios)} block pairs):")
+    print(f"   CPU time: ratio of means {mean([r[2] for r in on]) / mean([r[2] for r in off]):.3f}"
+          f" (logging steps included), median over block pairs {med(pair_ratios):.3f};"
+          f" wall time: ratio of means {mean([r[1] for r in on]) / mean([r[1] for r in off]):.3f}")
 
     n = args.every_steps
     totals = every["totals"]
@@ -215,14 +265,15 @@ def main() -> None:
     print("2. logging at every step (fp32 reference included):")
     print(f"   {ratios(every['base'], every['times'])}")
     extra_syncs = (every["syncs"] - every["base_syncs"]) / n
-    print(f"   host syncs per step: {every['base_syncs'] / n:.2f} without callbacks (the plugin's),"
-          f" {every['syncs'] / n:.2f} with them: +{extra_syncs:.2f} per step for all parameters' statistics")
+    print(f"   host reads per step (Tensor.item/tolist/__bool__/__float__/__int__ calls): {every['base_syncs'] / n:.2f}"
+          f" without callbacks (Lightning, torch and the plugin), {every['syncs'] / n:.2f} with them:"
+          f" +{extra_syncs:.2f} per step for all statistics of all parameters")
     print("   CPU time per step in the hooks (ms):")
     for key in sorted(per_step):
         print(f"     {key:<55s} {per_step[key] * 1e3:8.2f}")
 
     # amortized: each activity's cost per logging step over its period at the default cadence
-    step_time = mean(base.cpu)
+    step_time = mean([r[2] for r in off])
     ref = per_step.get("UnderflowMonitor._reference", 0.0)
     periods = {"LossScaleMonitor": 1, "GradientHistogramMonitor": 100, "UnderflowMonitor": 50}
     amortized = ref / 500

@@ -291,6 +291,23 @@ def test_reference_flush_matches_independent_fp32_gradient(tmp_path, accumulate)
     assert zero[2] >= logged[-1][1] * 0.5
 
 
+def test_nan_batch_never_crashes_and_is_reported(tmp_path):
+    data = regression_data(n=64)
+    x, y = data.dataset.tensors
+    x[2 * 16 + 3, 5] = math.nan  # batch 2 holds a NaN: non-finite loss and gradients, also in the fp32 reference
+    monitors = [
+        LossScaleMonitor(),
+        GradientHistogramMonitor(every_n_steps=1),
+        UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1),
+    ]
+    trainer, ea = fit(TinyMLP(), tmp_path, monitors, MPTPrecision("fp16"), steps=4, data=data)
+    assert series(ea, "mpt/loss_nonfinite") == [(2, 1.0)]
+    assert "loss **non-finite**" in texts(ea, "mpt/nonfinite_params")[0][1]
+    assert [s for s, _ in series(ea, "mpt/scale_headroom")] == [0, 1, 3]  # no headroom from a NaN reference
+    assert [s for s, _ in series(ea, "mpt/grad_underflow_fraction")] == [0, 1, 2, 3]
+    assert {e.step for e in ea.Histograms("mpt/grad/net.0.weight")} == {0, 1, 3}  # nothing finite at step 2
+
+
 # ------------------------------------------------------------------------------------- Lightning's "16-mixed"
 def test_grad_scaler_overflows_named_and_scale_series(tmp_path):
     probe = ScaleProbe()

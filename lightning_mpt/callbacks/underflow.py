@@ -119,7 +119,12 @@ class UnderflowMonitor(Monitor):
     state the batch started with (same dropout masks), and takes ``torch.autograd.grad`` of the loss: it leaves the
     weights, gradients, optimizer state, BatchNorm statistics, torchmetrics states and RNG state as they were, and
     its ``self.log`` calls are discarded. It costs about one fp32 forward and backward. It needs automatic
-    optimization; under gradient accumulation it measures the last micro-batch.
+    optimization; under gradient accumulation it measures the last micro-batch. The RNG state is taken in this
+    callback's ``on_train_batch_start``: random numbers drawn after it and before ``training_step`` (by later
+    callbacks' or the module's ``on_train_batch_start``) would give the re-run other dropout masks.
+
+    Measuring the update underflow copies the fp32 masters before the step, at those steps only: 4 bytes per
+    parameter of transient memory (``update_underflow=False`` avoids it).
 
     Args:
         every_n_steps: optimizer steps between fraction and update-underflow measurements; ``None`` takes the
@@ -329,8 +334,8 @@ class UnderflowMonitor(Monitor):
         if self.per_parameter:
             for name, z, f in zip(self._table.names, nonzero, flushed):
                 values[f"{tags.GRAD_UNDERFLOW}/{name}"] = ratio(f, z)
-        top = max(max_scaled, default=0.0)
-        if 0 < top < math.inf:
+        top = max(max_scaled, default=0.0) if all(map(math.isfinite, max_scaled)) else math.nan
+        if 0 < top < math.inf:  # a NaN/inf in the fp32 reference itself: no headroom to speak of
             values[tags.SCALE_HEADROOM] = math.log2(self._fmt.max / top)  # negative: the scale overflows
         self.sink.scalars({k: x for k, x in values.items() if x is not None}, step)
 
