@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 from weakref import WeakKeyDictionary
 
 import torch
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch import Tensor
 
 import lightning.pytorch as pl
@@ -120,8 +121,9 @@ class Sink:
         if not values:
             return
         if self.writer is not None:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
+            # one event holding every value: one hand-off to the writer thread instead of one per tag
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=v) for tag, v in values.items()])
+            self.writer._get_file_writer().add_summary(summary, step)
         for logger in self.loggers:
             logger.log_metrics(values, step)
 
