@@ -163,8 +163,11 @@ class _Gate:
         return callback
 
 
-def default_on_off(steps: int, block: int, tmp: str) -> tuple[list[tuple[bool, float, float, int]], int]:
-    """``(on, wall, cpu, step)`` per step after warm-up of one run whose monitors are gated by blocks; the block."""
+def default_on_off(
+    steps: int, block: int, tmp: str, monitors: bool = True
+) -> tuple[list[tuple[bool, float, float, int]], int]:
+    """``(on, wall, cpu, step)`` per step after warm-up of one run whose monitors are gated by blocks; the block.
+    Without ``monitors`` the blocks switch nothing: the spread of that run is the measurement's noise."""
     gate = _Gate(block)
     records: list[tuple[bool, float, float, int]] = []
     t0 = [0.0, 0.0]
@@ -180,9 +183,9 @@ def default_on_off(steps: int, block: int, tmp: str) -> tuple[list[tuple[bool, f
                 step = trainer.global_step - 1  # the step this batch took
                 records.append((gate.on, time.perf_counter() - t0[0], time.process_time() - t0[1], step))
 
-    monitors = [gate.wrap(m) for m in default_monitors()]
-    logger = TensorBoardLogger(f"{tmp}/gated", name="", version=0)
-    time_steps("transformer", steps, plugin=MPTPrecision("bf16"), callbacks=[Start(), *monitors, End()],
+    gated = [gate.wrap(m) for m in default_monitors()] if monitors else []
+    logger = TensorBoardLogger(f"{tmp}/gated{int(monitors)}", name="", version=0)
+    time_steps("transformer", steps, plugin=MPTPrecision("bf16"), callbacks=[Start(), *gated, End()],
                accelerator="cpu", logger=logger)
     return records, block
 
@@ -226,6 +229,8 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=7, help="steps per on/off block")
     parser.add_argument("--every-steps", type=int, default=16, help="steps of the logging-at-every-step runs")
     parser.add_argument("--bytes-steps", type=int, default=1000, help="steps of the event-bytes run")
+    parser.add_argument("--no-control", dest="control", action="store_false",
+                        help="skip the control run (same blocks, nothing switched: the noise of the measurement)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -233,6 +238,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with tempfile.TemporaryDirectory() as tmp:
         gated, block = default_on_off(args.steps, args.block, tmp)
+        control = default_on_off(args.steps, args.block, tmp, monitors=False)[0] if args.control else []
         every = every_step(args.every_steps, tmp)
         nbytes = event_bytes(args.bytes_steps, tmp)
 
@@ -247,17 +253,29 @@ def main() -> None:
     on = [r for r in gated if r[0]]
     print(f"step without callbacks: CPU time median {med([r[2] for r in off]) * 1e3:.0f} ms, wall time median"
           f" {med([r[1] for r in off]) * 1e3:.0f} ms")
-    # pair each "on" block with the "off" block before it: both saw about the same machine load
-    pairs: dict[int, dict[bool, list[tuple[bool, float, float, int]]]] = defaultdict(lambda: {True: [], False: []})
-    for r in gated:
-        pairs[r[3] // (2 * block)][r[0]].append(r)
-    pair_ratios = [mean([r[2] for r in p[True]]) / mean([r[2] for r in p[False]])
-                   for p in pairs.values() if p[True] and p[False]]
+    def on_off(records: list[tuple[bool, float, float, int]]) -> str:
+        # pair each "on" block with the "off" block before it: both saw about the same machine load
+        pairs: dict[int, dict[bool, list[float]]] = defaultdict(lambda: {True: [], False: []})
+        for r in records:
+            pairs[r[3] // (2 * block)][r[0]].append(r[2])
+        pair_ratios = [mean(p[True]) / mean(p[False]) for p in pairs.values() if p[True] and p[False]]
+        on_cpu = [r[2] for r in records if r[0]]
+        off_cpu = [r[2] for r in records if not r[0]]
+        on_wall = [r[1] for r in records if r[0]]
+        off_wall = [r[1] for r in records if not r[0]]
+        return (f"CPU time: ratio of means {mean(on_cpu) / mean(off_cpu):.3f} (logging steps included), median"
+                f" over {len(pair_ratios)} block pairs {med(pair_ratios):.3f}; wall time: ratio of means"
+                f" {mean(on_wall) / mean(off_wall):.3f}")
+
     print(f"1. three callbacks at default cadence, on vs off in alternating blocks of {block} steps of one run"
-          f" ({len(on)} steps on, {len(off)} off, {len(pair_ratios)} block pairs):")
-    print(f"   CPU time: ratio of means {mean([r[2] for r in on]) / mean([r[2] for r in off]):.3f}"
-          f" (logging steps included), median over block pairs {med(pair_ratios):.3f};"
-          f" wall time: ratio of means {mean([r[1] for r in on]) / mean([r[1] for r in off]):.3f}")
+          f" ({len(on)} steps on, {len(off)} off):")
+    print(f"   {on_off(gated)}")
+    logging = {r[3]: r[2] for r in on if r[3] % 50 == 0}
+    print(f"   CPU ms of the logging steps that fell in 'on' blocks: "
+          + ", ".join(f"step {k}: {v * 1e3:.0f}" for k, v in sorted(logging.items()))
+          + f" (vs median {med([r[2] for r in off]) * 1e3:.0f} off)")
+    if control:
+        print(f"   control run, same blocks switching nothing (the noise of this measurement): {on_off(control)}")
 
     n = args.every_steps
     totals = every["totals"]
