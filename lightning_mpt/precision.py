@@ -155,8 +155,13 @@ class MPTPrecision(Precision):
 
         Example:
             ```python
+            from torch import nn
+
+            plugin = MPTPrecision("fp16")
+            plugin.convert_module(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))  # what Trainer does at setup
             for name, param, master in plugin.named_masters():
-                print(name, param.dtype, master.dtype)   # e.g. "layer.weight torch.float16 torch.float32"
+                print(name, param.dtype, master.dtype)  # 0.weight torch.float16 torch.float32 (LayerNorm stays fp32)
+            plugin.teardown()
             ```
         """
         return self._masters.named_masters()
