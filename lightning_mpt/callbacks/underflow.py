@@ -347,9 +347,12 @@ def _reference_grads(
     """fp32 gradients of the replayed batch's loss for ``table``'s parameters, leaving every state as it was."""
     masters = table.masters(plugin)
     weights = [m.detach() if m is not None else p.detach().float() for p, m in zip(table.params, masters)]
+    # other half parameters ("16-true" norm layers) run in fp32 too
+    listed = {id(p) for p in table.params}
+    others = [p for p in pl_module.parameters() if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in listed]
     batch = apply_to_collection(replay.batch, Tensor, lambda t: t.float() if t.is_floating_point() else t)
     with ExitStack() as stack:
-        stack.enter_context(_weights(table.params, weights))
+        stack.enter_context(_weights(table.params + others, weights + [p.detach().float() for p in others]))
         stack.enter_context(_restored_state(pl_module))
         stack.enter_context(_replayed_rng(replay.rng))
         stack.enter_context(_discarded_logs(pl_module))
