@@ -15,8 +15,8 @@ The definitions are those of the design contract (DESIGN.md §4):
 Every batched function takes a sequence of tensors (one per parameter), returns per-tensor counts stacked in one
 device tensor and never synchronises with the host: read all of them with a single ``.tolist()``.
 
-Example::
-
+Example:
+    ```python
     import torch
     from lightning_mpt.numerics import FP16, FP32, flush_fraction, update_underflow_fraction
 
@@ -25,6 +25,7 @@ Example::
     assert update_underflow_fraction(w, u, FP32).item() == 0.0   # an fp32 master keeps it
     g = torch.tensor([1e-9, 1e-3])
     assert flush_fraction(g, scale=1.0, fmt=FP16).item() == 0.5   # 1e-9 < 2**-25: flushed to zero in fp16
+    ```
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ __all__ = [
 class FloatFormat:
     """A binary floating-point format: its range and precision (DESIGN.md §4).
 
-    Example::
-
+    Example:
+        ```python
         from lightning_mpt.numerics import FP16
         assert FP16.max == 65504.0 and FP16.min_normal == 2.0**-14 and FP16.min_subnormal == 2.0**-24
         assert FP16.overflow_threshold == 65520.0 and FP16.flush_threshold == 2.0**-25
+        ```
     """
 
     name: str
@@ -127,11 +129,12 @@ def exponent_bins(fmt: FloatFormat) -> list[str]:
     ``e`` (values with ``floor(log2|x|) == e``) from ``fmt.min_exponent`` to ``fmt.max_exponent``, then
     ``"nonfinite"`` (inf and NaN).
 
-    Example::
-
+    Example:
+        ```python
         from lightning_mpt.numerics import FP16, exponent_bins
         bins = exponent_bins(FP16)
         assert bins[0] == "zero" and bins[1] == "-24" and bins[-2] == "15" and bins[-1] == "nonfinite"
+        ```
     """
     return ["zero", *(str(e) for e in range(fmt.min_exponent, fmt.max_exponent + 1)), "nonfinite"]
 
@@ -155,12 +158,13 @@ def exponent_histograms(tensors: Sequence[Optional[Tensor]], fmt: FloatFormat, s
     Returns an int64 tensor of shape ``(len(tensors), len(exponent_bins(fmt)))`` on the first tensor's device;
     ``None`` entries give a row of zeros. No host sync.
 
-    Example::
-
+    Example:
+        ```python
         import torch
         from lightning_mpt.numerics import FP16, exponent_histograms
         h = exponent_histograms([torch.tensor([0.0, 1.0, 3.0, float("inf")])], FP16)
         assert h[0, 0] == 1 and h[0, -1] == 1 and h[0, 1 + 0 - FP16.min_exponent] == 1   # zero, inf, 1.0
+        ```
     """
     nb = _num_bins(fmt)
     device = _first_device(tensors)
@@ -232,13 +236,14 @@ def flush_counts(grads: Sequence[Optional[Tensor]], scale: float, fmt: FloatForm
     """Per tensor, ``(nonzero, flushed)``: nonzero values, and those that become 0 when multiplied by ``scale``
     and cast to ``fmt``. ``grads`` are fp32 reference gradients (unscaled). Shape ``(P, 2)``, int64, no sync.
 
-    Example::
-
+    Example:
+        ```python
         import torch
         from lightning_mpt.numerics import FP16, flush_counts
         scale = 1024.0
         g = torch.tensor([0.0, 0.9 * 2**-25 / scale, 2**-25 / scale, 1.5 * 2**-25 / scale, 1e-3])
         assert flush_counts([g], scale, FP16).tolist() == [[4, 2]]   # at or below 2**-25 once scaled: flushed
+        ```
     """
     device = _first_device(grads)
     rows = []

@@ -1,7 +1,7 @@
 """Diagnostic callbacks: the numerics of a mixed-precision run in TensorBoard (tags of DESIGN.md §5, under ``mpt/``).
 
-Example::
-
+Example:
+    ```python
     import lightning as L
     from lightning_mpt import MPTPrecision
     from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
@@ -11,6 +11,7 @@ Example::
         callbacks=[LossScaleMonitor(), GradientHistogramMonitor(), UnderflowMonitor()],
         logger=L.pytorch.loggers.TensorBoardLogger("runs"),
     )
+    ```
 """
 
 from lightning_mpt.callbacks.dashboard import CATEGORY, mixed_precision_layout

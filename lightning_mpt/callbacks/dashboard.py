@@ -3,11 +3,12 @@
 The layout is a ``tensorboard.plugins.custom_scalar.layout_pb2.Layout`` written once per run (per
 ``SummaryWriter``) by the first monitor in ``trainer.callbacks``; it holds the charts of the monitors present.
 
-Example::
-
+Example:
+    ```python
     from lightning_mpt.callbacks.dashboard import CATEGORY, mixed_precision_layout
     layout = mixed_precision_layout()
     assert layout.category[0].title == CATEGORY == "Mixed precision"
+    ```
 """
 
 from __future__ import annotations

@@ -48,13 +48,14 @@ class GradientHistogramMonitor(Monitor):
         values: write the value histograms (``mpt/grad/...``).
         exponents: write the exponent histograms (``mpt/grad_exponent/...``).
 
-    Example::
-
+    Example:
+        ```python
         import lightning as L
         from lightning_mpt import MPTPrecision
         from lightning_mpt.callbacks import GradientHistogramMonitor
 
         trainer = L.Trainer(plugins=[MPTPrecision("fp16")], callbacks=[GradientHistogramMonitor(every_n_steps=100)])
+        ```
     """
 
     def __init__(

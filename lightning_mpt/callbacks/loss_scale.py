@@ -51,13 +51,14 @@ class LossScaleMonitor(Monitor):
     Attributes:
         overflow_counts: per parameter name, the skipped steps at which its gradient was non-finite (rank 0).
 
-    Example::
-
+    Example:
+        ```python
         import lightning as L
         from lightning_mpt import MPTPrecision
         from lightning_mpt.callbacks import LossScaleMonitor
 
         trainer = L.Trainer(plugins=[MPTPrecision("fp16")], callbacks=[LossScaleMonitor()])
+        ```
     """
 
     charts = ("scale", "skips", "scale_change", "nonfinite")

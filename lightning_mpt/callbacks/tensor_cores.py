@@ -34,8 +34,8 @@ def tensor_core_report(
     """Linear, convolution and attention layers (and the batch size) whose matmul dimensions are not multiples of
     ``multiple``. fp16/bf16 GEMMs run on Tensor Cores at full speed when these dimensions are multiples of 8.
 
-    Example::
-
+    Example:
+        ```python
         from torch import nn
         from lightning_mpt.callbacks import tensor_core_report
 
@@ -43,6 +43,7 @@ def tensor_core_report(
         assert [str(f) for f in found] == [
             "0 (Linear): out_features=10", "1 (Linear): in_features=10", "batch size (DataLoader): batch_size=30"
         ]
+        ```
     """
     multiple = check_every("tensor_core_report", "multiple", multiple)
     found: list[TensorCoreFinding] = []
@@ -71,13 +72,14 @@ class TensorCoreCheck(Callback):
     Args:
         multiple: the multiple the dimensions should have.
 
-    Example::
-
+    Example:
+        ```python
         import lightning as L
         from lightning_mpt import MPTPrecision
         from lightning_mpt.callbacks import TensorCoreCheck
 
         trainer = L.Trainer(plugins=[MPTPrecision("bf16")], callbacks=[TensorCoreCheck()])
+        ```
     """
 
     def __init__(self, multiple: int = 8) -> None:

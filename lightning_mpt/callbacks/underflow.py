@@ -47,8 +47,8 @@ class FlushStatistics(Metric):
     """Per-parameter flush counts of fp32 reference gradients, reduced across processes: ``nonzero`` and
     ``flushed`` are summed, ``max_scaled`` (the largest scaled gradient) is maxed.
 
-    Example::
-
+    Example:
+        ```python
         import torch
         from lightning_mpt.callbacks import FlushStatistics
 
@@ -56,6 +56,7 @@ class FlushStatistics(Metric):
         m.update(torch.tensor([[4, 1], [10, 0]]), torch.tensor([3.0, 70000.0]))
         nonzero, flushed, max_scaled = m.compute()
         assert flushed.tolist() == [1, 0] and max_scaled.max().item() == 70000.0
+        ```
     """
 
     full_state_update = False
@@ -136,8 +137,8 @@ class UnderflowMonitor(Monitor):
     Attributes:
         last_reference: the latest :class:`ReferenceStats`, on every rank.
 
-    Example::
-
+    Example:
+        ```python
         import lightning as L
         from lightning_mpt import MPTPrecision
         from lightning_mpt.callbacks import UnderflowMonitor
@@ -145,6 +146,7 @@ class UnderflowMonitor(Monitor):
         trainer = L.Trainer(
             plugins=[MPTPrecision("fp16")], callbacks=[UnderflowMonitor(every_n_steps=50, reference_every_n_steps=500)]
         )
+        ```
     """
 
     charts = (
