@@ -86,6 +86,7 @@ class _Plan:
     key: tuple  # (id, length) of each group's parameter list when the plan was made
     slots: list[tuple[list, int, Tensor, Tensor]] = field(default_factory=list)  # (group list, index, param, master)
     own: list[Tensor] = field(default_factory=list)  # parameters that are their own master
+    device: Optional[torch.device] = None  # the one device all of them live on, if there is one
 
 
 class MasterWeights:
@@ -120,7 +121,7 @@ class MasterWeights:
         self._param_of: dict[Tensor, Tensor] = {}  # master -> parameter
         self._plans: dict[Optimizer, _Plan] = {}
         self._converted: dict[Tensor, None] = {}  # every parameter given a half tensor (an ordered set)
-        self._stepped: dict[Tensor, Tensor] = {}  # parameter -> its half grad, whose master keeps the fp32 grad
+        self._stepped: list[PreparedGrads] = []  # steps whose masters keep their fp32 gradients until the next forward
         self._names: dict[Tensor, str] = {}
         self._handles: list[RemovableHandle] = []
 
@@ -164,13 +165,14 @@ class MasterWeights:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        last_half_grad = {p: g for prepared in self._stepped for p, g in zip(prepared.params, prepared.half_grads)}
         for p in self._converted:
             master = self._masters.get(p)
             data = p.data
             if master is None or data.dtype != self.dtype or not torch.equal(data, master.to(data.device, data.dtype)):
                 master = data.float()
             grad = p.grad
-            if grad is not None and grad is self._stepped.get(p) and master.grad is not None:
+            if grad is not None and grad is last_half_grad.get(p) and master.grad is not None:
                 grad = master.grad  # the exact fp32 gradient of the last step
             p.grad = None
             p.data = master.to(data.device)
@@ -269,6 +271,8 @@ class MasterWeights:
                         plan.own.append(p)
                     else:
                         plan.slots.append((params, i, p, m))
+            devices = {p.device for p in plan.own} | {m.device for *_, m in plan.slots}
+            plan.device = devices.pop() if len(devices) == 1 else None
             self._plans[optimizer] = plan
         return plan
 
@@ -284,18 +288,16 @@ class MasterWeights:
         for _, _, p, master in plan.slots:
             g = p.grad
             if g is not None:
-                _check_dense(self, p, g)
                 out.params.append(p)
                 out.masters.append(master)
                 out.half_grads.append(g)
-        for p in plan.own:
-            if p.grad is not None:
-                _check_dense(self, p, p.grad)
-                out.own_params.append(p)
+        out.own_params = [p for p in plan.own if p.grad is not None]
+        if any(g.is_sparse for g in out.half_grads) or any(p.grad.is_sparse for p in out.own_params):
+            raise RuntimeError("MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False).")
         out.master_grads = [torch.empty_like(m) for m in out.masters]
         if out.masters:
             torch._foreach_copy_(out.master_grads, out.half_grads)
-        out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale)
+        out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale, plan.device)
         if scale != 1.0 and out.half_grads:
             torch._foreach_copy_(out.half_grads, out.master_grads)
         out.half_versions = [g._version for g in out.half_grads]
@@ -339,23 +341,22 @@ class MasterWeights:
             prepared.params, prepared.masters, prepared.half_grads, prepared.master_grads, prepared.master_versions
         ):
             if p.grad is mg:
-                p.grad = None
+                p.grad = g
             if mg._version != v:  # clipped or edited while entered
                 g.copy_(mg)
-            if p.grad is None:
-                p.grad = g
-            if stepped:
-                self._stepped[p] = g
-            else:
+            if not stepped:
                 m.grad = None
+        if stepped:
+            self._stepped.append(prepared)
         if prepared.params:
-            torch._foreach_copy_([p.data for p in prepared.params], prepared.masters)
+            with torch.no_grad():
+                torch._foreach_copy_(prepared.params, prepared.masters)
         prepared.entered = False
 
     def drop_stepped_grads(self) -> None:
-        """Release the fp32 gradients that the masters kept from the last step."""
-        for p in self._stepped:
-            self._masters[p].grad = None
+        """Release the fp32 gradients that the masters kept from the last step(s)."""
+        for prepared in self._stepped:
+            MasterWeights.release(prepared, clear_grads=False)
         self._stepped.clear()
 
     @staticmethod
@@ -409,14 +410,6 @@ class _MasterLoadHook:
         return self
 
 
-def _check_dense(owner: MasterWeights, p: Tensor, grad: Tensor) -> None:
-    if grad.is_sparse:
-        raise RuntimeError(
-            f"MPTPrecision does not support sparse gradients (parameter {owner.name_of(p)!r}); use dense embeddings "
-            "(sparse=False)."
-        )
-
-
 def _castable(p: Tensor) -> bool:
     return p.dtype == torch.float32 or p.dtype in HALF_DTYPES
 
@@ -463,13 +456,17 @@ def _foreach_by_device(tensors: list[Tensor], fn: Any) -> list[Tensor]:
     return out  # type: ignore[return-value]
 
 
-def _unscale_(grads: list[Tensor], inv_scale: float) -> Optional[Tensor]:
-    """Multiply ``grads`` by ``inv_scale`` in place with the fused AMP kernel; return the non-finite flag."""
+def _unscale_(grads: list[Tensor], inv_scale: float, device: Optional[torch.device] = None) -> Optional[Tensor]:
+    """Multiply ``grads`` by ``inv_scale`` in place with the fused AMP kernel; return the non-finite flag.
+
+    ``device``: the one device all ``grads`` are on, when known (skips grouping them).
+    """
     if not grads:
         return None
+    groups = [(device, grads)] if device is not None else [(d, g) for (d, _), g in _by_device(grads).items()]
     found: Optional[Tensor] = None
-    for (device, _), group in _by_device(grads).items():
-        found_inf = torch.zeros((), device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, torch.full((), inv_scale, device=device))
+    for dev, group in groups:
+        found_inf = torch.zeros((), device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, torch.full((), inv_scale, device=dev))
         found = found_inf if found is None else found + found_inf.to(found.device)
     return found

@@ -73,7 +73,10 @@ class Record(L.Callback):
         self.bytes[0] = 0
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
+        path = self.out / f"rank{trainer.global_rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.rows))
+        os.replace(tmp, path)  # atomic: the test never reads a half-written file
 
 
 def main() -> None:

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -144,3 +150,32 @@ class InjectInf(L.Callback):
         if trainer.fit_loop.epoch_loop.batch_idx in self.batches or trainer.global_step in self.steps:
             grad = dict(module.named_parameters())[self.param_name].grad
             grad.view(-1)[0] = math.inf
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_until_written(cmd: list[str], files: list[Path], log: Path, timeout: float = 240, grace: float = 20) -> int:
+    """Run a multi-process job until it has written ``files``; return its exit code (None-safe: -9 when killed).
+
+    gloo sometimes aborts or hangs a process at exit after the work is done ("terminate called without an active
+    exception"). So the job runs in its own session with its output in ``log`` (a hung worker must not hold a pipe
+    open), gets ``grace`` seconds to exit once the files exist, and is then killed; the caller asserts on the files.
+    """
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline, written_at = time.monotonic() + timeout, None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if written_at is None and all(f.exists() for f in files):
+                written_at = time.monotonic()
+            if written_at is not None and time.monotonic() - written_at > grace:
+                break
+            time.sleep(0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode

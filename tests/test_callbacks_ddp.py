@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from models import quiet_trainer
+from models import quiet_trainer, run_until_written
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -32,14 +31,12 @@ REFERENCE_EVERY = 2
 
 
 def test_ddp_rank_zero_writes_and_flush_is_reduced_across_ranks(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=240,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])},
-    )
+    files = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
+    log = tmp_path / "log.txt"
+    run_until_written([sys.executable, __file__, str(tmp_path)], files, log)
     reports = {}
-    for rank in (0, 1):
-        path = tmp_path / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no report; subprocess output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    for rank, path in enumerate(files):
+        assert path.exists(), f"rank {rank} wrote no report; subprocess output:\n{log.read_text()[-3000:]}"
         reports[rank] = json.loads(path.read_text())
     r0, r1 = reports[0], reports[1]
     for r in (r0, r1):
@@ -114,7 +111,9 @@ class Report(L.Callback):
         )
         if trainer.is_global_zero:
             trainer.logger.experiment.flush()
-        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+        path = Path(self.out, f"rank{trainer.global_rank}.json")
+        Path(f"{path}.tmp").write_text(json.dumps(report))
+        os.replace(f"{path}.tmp", path)  # atomic: the test never reads a half-written file
 
 
 def _main(out: str) -> None:

@@ -6,37 +6,23 @@ The runs are subprocesses; the assertions read what each rank wrote, so gloo's o
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from models import run_until_written
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_workers(tmp_path: Path, strategy: str, precision: str, *extra: str) -> list[list[dict]]:
+    """Run the 2-process job; return what each rank wrote."""
     out = tmp_path / f"{strategy}-{precision}"
     out.mkdir()
-    env = {**os.environ, "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), strategy, str(out), precision, *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
     ranks = [out / "rank0.json", out / "rank1.json"]
+    code = run_until_written([sys.executable, str(WORKER), strategy, str(out), precision, *extra], ranks, out / "log.txt")
     if not all(r.exists() for r in ranks):
-        pytest.fail(f"workers did not finish (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        pytest.fail(f"workers did not finish (exit {code}):\n{(out / 'log.txt').read_text()[-3000:]}")
     return [json.loads(r.read_text()) for r in ranks]
 
 
