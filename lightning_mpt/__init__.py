@@ -1,5 +1,5 @@
-"""lightning-mpt: mixed-precision training for PyTorch Lightning with fp32 master weights, a tunable dynamic
-loss scaler, and diagnostics of the numerics.
+"""lightning-mpt: mixed-precision training for PyTorch Lightning with fp32 master weights, a tunable dynamic loss
+scaler, and diagnostics of the numerics.
 
 Example:
     ```python
@@ -8,10 +8,25 @@ Example:
 
     trainer = L.Trainer(plugins=[MPTPrecision("fp16")])
     ```
+
+The public names are imported on first use, so that tools that only read logs (``lightning-mpt report``) start
+without importing Lightning.
 """
 
-from lightning_mpt.precision import MPTPrecision, NonFiniteGradientError, StepRecord
-from lightning_mpt.scaler import DynamicLossScaler
+from typing import TYPE_CHECKING
 
-__all__ = ["DynamicLossScaler", "MPTPrecision", "NonFiniteGradientError", "StepRecord"]
+from lightning_mpt._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from lightning_mpt.precision import MPTPrecision, NonFiniteGradientError, StepRecord
+    from lightning_mpt.scaler import DynamicLossScaler
+
+_EXPORTS = {
+    "DynamicLossScaler": "lightning_mpt.scaler",
+    "MPTPrecision": "lightning_mpt.precision",
+    "NonFiniteGradientError": "lightning_mpt.precision",
+    "StepRecord": "lightning_mpt.precision",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

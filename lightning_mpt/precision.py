@@ -146,6 +146,30 @@ class MPTPrecision(Precision):
         return self.history[-1] if self.history else None
 
     @property
+    def backward_scale(self) -> float:
+        """The loss scale the pending gradients were computed with (the scale of the latest backward).
+
+        It differs from :attr:`loss_scale` between an optimizer step that changed the scale and the next backward.
+        """
+        return self._backward_scale if self.scaler is not None else 1.0
+
+    def master_of(self, param: Tensor) -> Tensor:
+        """The fp32 tensor the optimizer steps for the module parameter ``param``: its master, or ``param`` itself
+        when it has none (norm layers, ``master_weights=False``).
+
+        Example:
+            ```python
+            from torch import nn
+
+            plugin = MPTPrecision("bf16")
+            model = plugin.convert_module(nn.Linear(2, 2))
+            assert plugin.master_of(model.weight).dtype == torch.float32 and model.weight.dtype == torch.bfloat16
+            plugin.teardown()
+            ```
+        """
+        return self._masters.master_of(param)
+
+    @property
     def half_dtype(self) -> torch.dtype:
         """The half-precision format of the model's weights: ``torch.float16`` or ``torch.bfloat16``."""
         return self._dtype
@@ -235,8 +259,7 @@ class MPTPrecision(Precision):
         if optimizer in self._pending:
             return
         self._adopt(optimizer)
-        scale = self._backward_scale if self.scaler is not None else 1.0
-        self._pending[optimizer] = self._masters.prepare(optimizer, scale)
+        self._pending[optimizer] = self._masters.prepare(optimizer, self.backward_scale)
 
     def clip_gradients(
         self,
@@ -293,7 +316,7 @@ class MPTPrecision(Precision):
         prepared = self._pending.pop(optimizer)
         found_inf, loss_finite = self._sync_flags(prepared.found_inf)
         self._loss_finite = None
-        record = StepRecord(step=self._steps, scale=self._backward_scale, skipped=found_inf, loss_finite=loss_finite)
+        record = StepRecord(step=self._steps, scale=self.backward_scale, skipped=found_inf, loss_finite=loss_finite)
         self._steps += 1
         self.history.append(record)
         self.last_step_skipped = found_inf

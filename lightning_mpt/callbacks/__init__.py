@@ -14,21 +14,28 @@ Example:
     ```
 """
 
-from lightning_mpt.callbacks.dashboard import CATEGORY, mixed_precision_layout
-from lightning_mpt.callbacks.histograms import GradientHistogramMonitor
-from lightning_mpt.callbacks.loss_scale import LossScaleMonitor
-from lightning_mpt.callbacks.tensor_cores import TensorCoreCheck, TensorCoreFinding, tensor_core_report
-from lightning_mpt.callbacks.underflow import FlushStatistics, ReferenceStats, UnderflowMonitor
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "CATEGORY",
-    "FlushStatistics",
-    "GradientHistogramMonitor",
-    "LossScaleMonitor",
-    "ReferenceStats",
-    "TensorCoreCheck",
-    "TensorCoreFinding",
-    "UnderflowMonitor",
-    "mixed_precision_layout",
-    "tensor_core_report",
-]
+from lightning_mpt._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from lightning_mpt.callbacks.dashboard import CATEGORY, mixed_precision_layout
+    from lightning_mpt.callbacks.histograms import GradientHistogramMonitor
+    from lightning_mpt.callbacks.loss_scale import LossScaleMonitor
+    from lightning_mpt.callbacks.tensor_cores import TensorCoreCheck, TensorCoreFinding, tensor_core_report
+    from lightning_mpt.callbacks.underflow import FlushStatistics, ReferenceStats, UnderflowMonitor
+
+_EXPORTS = {
+    "CATEGORY": "lightning_mpt.callbacks.dashboard",
+    "mixed_precision_layout": "lightning_mpt.callbacks.dashboard",
+    "GradientHistogramMonitor": "lightning_mpt.callbacks.histograms",
+    "LossScaleMonitor": "lightning_mpt.callbacks.loss_scale",
+    "TensorCoreCheck": "lightning_mpt.callbacks.tensor_cores",
+    "TensorCoreFinding": "lightning_mpt.callbacks.tensor_cores",
+    "tensor_core_report": "lightning_mpt.callbacks.tensor_cores",
+    "FlushStatistics": "lightning_mpt.callbacks.underflow",
+    "ReferenceStats": "lightning_mpt.callbacks.underflow",
+    "UnderflowMonitor": "lightning_mpt.callbacks.underflow",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

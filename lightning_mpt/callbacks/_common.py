@@ -44,7 +44,7 @@ def grad_scaler(plugin: Any) -> Optional[torch.amp.GradScaler]:
 def loss_scale(plugin: Any) -> float:
     """The loss scale the current step's gradients were computed with (read before the scaler updates)."""
     if isinstance(plugin, MPTPrecision):
-        return plugin.loss_scale
+        return plugin.backward_scale
     scaler = grad_scaler(plugin)
     return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
 
@@ -82,8 +82,7 @@ class ParamTable:
         """The fp32 tensor the optimizer steps for each parameter, ``None`` where the half tensor is stepped itself
         (``MPTPrecision(master_weights=False)``, ``"16-true"``)."""
         if isinstance(plugin, MPTPrecision):
-            by_param = {id(p): m for _, p, m in plugin.named_masters()}
-            return [by_param.get(id(p)) for p in self.params]
+            return [m if m is not p else None for p, m in ((p, plugin.master_of(p)) for p in self.params)]
         return [p if p.dtype == torch.float32 else None for p in self.params]
 
 

@@ -134,13 +134,13 @@ class GradientHistogramMonitor(Monitor):
             return
         plugin = trainer.precision_plugin
         # the true gradients: the masters' fp32 gradients under MPTPrecision, the (unscaled) .grad otherwise
-        masters = {id(p): m for _, p, m in plugin.named_masters()} if isinstance(plugin, MPTPrecision) else {}
+        mpt = isinstance(plugin, MPTPrecision)
         names, groups = [], []
         for key, members in self._val_groups:
             grads = []
             for _, p in members:
-                m = masters.get(id(p))
-                g = m.grad if m is not None and m.grad is not None else p.grad
+                m = plugin.master_of(p) if mpt else p
+                g = m.grad if m.grad is not None else p.grad
                 if g is not None:
                     grads.append(g)
             if grads:
