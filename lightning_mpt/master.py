@@ -319,11 +319,15 @@ class MasterWeights:
             if now is g:
                 prepared.half_versions[i] = g._version
 
-    def enter(self, optimizer: Optimizer, prepared: PreparedGrads) -> None:
-        """Hand the masters to ``optimizer`` for clipping and its step; show their fp32 gradients on the module."""
+    def enter(self, optimizer: Optimizer, prepared: PreparedGrads, show_on_module: bool) -> None:
+        """Hand the masters to ``optimizer`` for clipping and its step.
+
+        ``show_on_module``: also let the module's parameters carry their fp32 master gradients until :meth:`exit`,
+        for user code that walks ``module.parameters()`` meanwhile (torch >= 2.13 only, see ``_GRAD_DTYPE``).
+        """
         self.sync_edits(prepared)
         self.swap_groups(optimizer, True)
-        if _GRAD_DTYPE:
+        if show_on_module and _GRAD_DTYPE:
             for p, g in zip(prepared.params, prepared.master_grads):
                 p.grad = g
         prepared.master_versions = [g._version for g in prepared.master_grads]

@@ -22,6 +22,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights, PreparedGrads
@@ -302,7 +303,9 @@ class MPTPrecision(Precision):
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         prepared = self._pending.get(optimizer)
         if prepared is not None and not prepared.entered:
-            self._masters.enter(optimizer, prepared)
+            # a user's configure_gradient_clipping may walk self.parameters(): show it the fp32 gradients stepped
+            show = isinstance(model, pl.LightningModule) and is_overridden("configure_gradient_clipping", model)
+            self._masters.enter(optimizer, prepared, show_on_module=show)
         self._clip_gradients(
             model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
         )
@@ -445,7 +448,7 @@ class _MasterStep:
         else:
             self.prepared = plugin._pending.pop(optimizer)
         if not self.prepared.entered:
-            masters.enter(optimizer, self.prepared)
+            masters.enter(optimizer, self.prepared, show_on_module=False)
         return result
 
     def __call__(self, **kwargs: Any) -> Any:
