@@ -224,8 +224,7 @@ class MasterWeights:
 
     def refresh(self) -> None:
         """Write the masters into the half weights."""
-        if self._masters:
-            torch._foreach_copy_([p.data for p in self._masters], list(self._masters.values()))
+        _write_halves(list(self._masters), list(self._masters.values()))
 
     def adopt_optimizer(self, optimizer: Optimizer) -> list[RemovableHandle]:
         """Keep ``optimizer``'s state fp32: cast state it created for half parameters (Adagrad does so at
@@ -352,9 +351,7 @@ class MasterWeights:
                 m.grad = None
         if stepped:
             self._stepped.append(prepared)
-        if prepared.params:
-            with torch.no_grad():
-                torch._foreach_copy_(prepared.params, prepared.masters)
+        _write_halves(prepared.params, prepared.masters)
         prepared.entered = False
 
     def drop_stepped_grads(self) -> None:
@@ -412,6 +409,13 @@ class _MasterLoadHook:
 
     def __deepcopy__(self, memo: dict) -> _MasterLoadHook:
         return self
+
+
+def _write_halves(params: list[Tensor], masters: list[Tensor]) -> None:
+    """Round the masters into their half parameters, in one foreach copy."""
+    if params:
+        with torch.no_grad():
+            torch._foreach_copy_(params, masters)
 
 
 def _castable(p: Tensor) -> bool:

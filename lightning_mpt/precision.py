@@ -59,7 +59,7 @@ class StepRecord:
         if self._mask is not None:
             self._names = [n for n, bad in zip(self._names, self._mask.tolist()) if bad]
             self._mask = None
-        return self._names if self.skipped else []
+        return self._names
 
 
 class MPTPrecision(Precision):
@@ -152,7 +152,7 @@ class MPTPrecision(Precision):
 
         It differs from :attr:`loss_scale` between an optimizer step that changed the scale and the next backward.
         """
-        return self._backward_scale if self.scaler is not None else 1.0
+        return self._backward_scale
 
     def master_of(self, param: Tensor) -> Tensor:
         """The fp32 tensor the optimizer steps for the module parameter ``param``: its master, or ``param`` itself
@@ -315,10 +315,8 @@ class MPTPrecision(Precision):
 
         Raises :class:`_SkippedStep` for a skipped step, :class:`NonFiniteGradientError` when the guard trips.
         """
-        self.unscale_gradients(optimizer)
         prepared = self._pending.pop(optimizer)
         found_inf, loss_finite = self._sync_flags(prepared.found_inf)
-        self._loss_finite = None
         record = StepRecord(step=self._steps, scale=self.backward_scale, skipped=found_inf, loss_finite=loss_finite)
         self._steps += 1
         self.history.append(record)
@@ -346,14 +344,17 @@ class MPTPrecision(Precision):
             self.scaler.update(False)
 
     def _sync_flags(self, found_inf: Optional[Tensor]) -> tuple[bool, bool]:
-        """The step's one host sync: whether any gradient (on any rank) or any loss was non-finite."""
-        if found_inf is None and self._loss_finite is None:
+        """The step's one host sync: whether any gradient (on any rank) was non-finite, and whether every loss
+        backpropagated since the last step was finite."""
+        loss_finite, self._loss_finite = self._loss_finite, None
+        if found_inf is None and loss_finite is None:
             return False, True
-        device = found_inf.device if found_inf is not None else self._loss_finite.device  # type: ignore[union-attr]
+        device = (found_inf if found_inf is not None else loss_finite).device  # type: ignore[union-attr]
+        zero = torch.zeros((), device=device)
         flags = torch.stack(
             [
-                found_inf.float() if found_inf is not None else torch.zeros((), device=device),
-                (~self._loss_finite).float().to(device) if self._loss_finite is not None else torch.zeros((), device=device),
+                zero if found_inf is None else found_inf.float(),
+                zero if loss_finite is None else (~loss_finite).float().to(device),
             ]
         )
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
