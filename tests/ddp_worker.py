@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 
 from lightning_mpt import MPTPrecision  # noqa: E402
+from lightning_mpt.callbacks import UnderflowMonitor  # noqa: E402
 
 
 class NoNormMLP(TinyMLP):
@@ -88,6 +89,7 @@ def main() -> None:
     p.add_argument("--inject-rank", type=int, default=1)
     p.add_argument("--model", choices=["nonorm", "mlp"], default="mlp")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--reference", action="store_true", help="UnderflowMonitor's fp32 reference at every step")
     args = p.parse_args()
 
     torch.manual_seed(os.getpid() if args.strategy == "ddp" else 0)  # ranks start from different weights on purpose
@@ -99,7 +101,11 @@ def main() -> None:
         devices=2,
         max_steps=args.steps,
         plugins=[plugin],
-        callbacks=[Record(args.out), InjectInf("net.0.weight", steps={args.inject_step}, rank=args.inject_rank)],
+        callbacks=[
+            *([UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1)] if args.reference else []),
+            Record(args.out),
+            InjectInf("net.0.weight", steps={args.inject_step}, rank=args.inject_rank),
+        ],
     )
     model = NoNormMLP() if args.model == "nonorm" else TinyMLP()
     trainer.fit(model, regression_data(n=32 * args.steps))

@@ -48,3 +48,12 @@ def test_allreduced_gradients_are_half_precision(tmp_path):
     assert amp_bytes == [4 * params] * 6  # fp32 gradients under "16-mixed"
     assert mpt_bytes == [2 * params] * 6  # half under MPTPrecision: ratio 0.5
     assert mpt_bytes == [row["bytes"] for row in mpt1]
+
+
+def test_the_fp32_reference_leaves_ddp_intact(tmp_path):
+    """UnderflowMonitor re-runs the batch in fp32 with the masters; DDP must keep reducing afterwards."""
+    rank0, rank1 = run_workers(tmp_path, "ddp", "mpt-bf16", "--reference")
+    assert len(rank0) == len(rank1) == 6
+    assert [r["weights_sha1"] for r in rank0] == [r["weights_sha1"] for r in rank1]
+    assert len({r["weights_sha1"] for r in rank0}) == 6  # and it trained
+    assert all(r["bytes"] > 0 for r in rank0)

@@ -40,6 +40,7 @@ from lightning_mpt.callbacks._common import (
     ratio,
     shared,
 )
+from lightning_mpt.master import HALF_DTYPES
 from lightning_mpt.numerics import FloatFormat, flush_counts, max_abs, stored_counts, update_underflow_counts
 
 
@@ -346,53 +347,58 @@ class UnderflowMonitor(Monitor):
 def _reference_grads(
     trainer: pl.Trainer, pl_module: pl.LightningModule, table: ParamTable, plugin: Any, replay: _Replay
 ) -> Optional[list[Optional[Tensor]]]:
-    """fp32 gradients of the replayed batch's loss for ``table``'s parameters, leaving every state as it was."""
-    masters = table.masters(plugin)
-    weights = [m.detach() if m is not None else p.detach().float() for p, m in zip(table.params, masters)]
+    """fp32 gradients of the replayed batch's loss for ``table``'s parameters, leaving every state as it was.
+
+    The fp32 weights stand in for the module's parameters through ``torch.func.functional_call``, which swaps
+    module attributes: the parameters themselves (their data, gradients and autograd accumulators, which DDP
+    hooks) are never touched.
+    """
+    weights = {
+        n: (m.detach() if m is not None else p.detach().float()).requires_grad_(p.requires_grad)
+        for n, p, m in zip(table.names, table.params, table.masters(plugin))
+    }
     # other half parameters ("16-true" norm layers) run in fp32 too
-    listed = {id(p) for p in table.params}
-    others = [p for p in pl_module.parameters() if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in listed]
+    weights.update(
+        {n: p.detach().float() for n, p in pl_module.named_parameters() if p.dtype in HALF_DTYPES and n not in weights}
+    )
     batch = apply_to_collection(replay.batch, Tensor, lambda t: t.float() if t.is_floating_point() else t)
     with ExitStack() as stack:
-        stack.enter_context(_weights(table.params + others, weights + [p.detach().float() for p in others]))
         stack.enter_context(_restored_state(pl_module))
         stack.enter_context(_replayed_rng(replay.rng))
         stack.enter_context(_discarded_logs(pl_module))
         stack.enter_context(torch.enable_grad())
         stack.enter_context(torch.autocast(pl_module.device.type, enabled=False))
-        out = pl_module.training_step(batch, replay.batch_idx)
+        out = torch.func.functional_call(
+            _TrainingStep(pl_module), {f"module.{n}": w for n, w in weights.items()}, (batch, replay.batch_idx),
+            strict=False,
+        )
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor) or not loss.requires_grad:
             return None
         loss = loss / trainer.accumulate_grad_batches  # as Lightning's closure normalises it
         wanted = [i for i, p in enumerate(table.params) if p.requires_grad]
-        found = torch.autograd.grad(loss, [table.params[i] for i in wanted], allow_unused=True)
+        found = torch.autograd.grad(loss, [weights[table.names[i]] for i in wanted], allow_unused=True)
     grads: list[Optional[Tensor]] = [None] * len(table)
     for i, g in zip(wanted, found):
         grads[i] = g
     return grads
 
 
+class _TrainingStep(torch.nn.Module):
+    """``module.training_step`` as a forward, so that ``torch.func.functional_call`` can run it."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        return self.module.training_step(batch, batch_idx)
+
+
 def _max_abs_or_none(grads: list[Optional[Tensor]], device: torch.device) -> list[Optional[Tensor]]:
     present = [g for g in grads if g is not None]
     maxima = iter(max_abs(present).to(device)) if present else iter(())
     return [None if g is None else next(maxima) for g in grads]
-
-
-@contextmanager
-def _weights(params: list[Tensor], weights: list[Tensor]) -> Iterator[None]:
-    """Point each parameter at an fp32 tensor (as the plugin does for the optimizer step), then back."""
-    saved = [(p.data, p.grad) for p in params]
-    try:
-        for p, w in zip(params, weights):
-            p.grad = None
-            p.data = w
-        yield
-    finally:
-        for p, (data, grad) in zip(params, saved):
-            p.grad = None
-            p.data = data
-            p.grad = grad
 
 
 @contextmanager
