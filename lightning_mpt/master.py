@@ -20,7 +20,6 @@ While converted, ``module.state_dict()`` returns the masters and ``module.load_s
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
+
+from lightning_mpt.numerics import max_abs
 
 # parameters of these modules stay fp32: normalisation statistics and affine parameters are precision-sensitive
 DEFAULT_KEEP_FP32: tuple[type[nn.Module], ...] = (
@@ -74,11 +75,7 @@ class PreparedGrads:
     def nonfinite_mask(self) -> Optional[Tensor]:
         """Per-parameter flags (aligned with :meth:`all_params`) of non-finite gradients, on device, no sync."""
         grads = self.fp32_grads()
-        if not grads:
-            return None
-        dev = grads[0].device
-        maxabs = [n.to(dev) for n in _foreach_by_device(grads, lambda ts: torch._foreach_norm(ts, math.inf))]
-        return ~torch.isfinite(torch.stack(maxabs))
+        return ~torch.isfinite(max_abs(grads)) if grads else None
 
 
 @dataclass
@@ -452,16 +449,6 @@ def _by_device(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], 
     for t in tensors:
         groups[(t.device, t.dtype)].append(t)
     return groups
-
-
-def _foreach_by_device(tensors: list[Tensor], fn: Any) -> list[Tensor]:
-    """Apply a foreach function group by group (foreach kernels need one device and dtype) in input order."""
-    index = {id(t): i for i, t in enumerate(tensors)}
-    out: list[Optional[Tensor]] = [None] * len(tensors)
-    for group in _by_device(tensors).values():
-        for t, r in zip(group, fn(group)):
-            out[index[id(t)]] = r
-    return out  # type: ignore[return-value]
 
 
 def _unscale_(grads: list[Tensor], inv_scale: float, device: Optional[torch.device] = None) -> Optional[Tensor]:
