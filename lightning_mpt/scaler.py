@@ -6,40 +6,74 @@ The trajectory rule, with ``hysteresis=1``, is the one of :class:`torch.amp.Grad
   consecutive clean steps;
 * after ``growth_interval`` consecutive clean steps the scale is multiplied by ``growth_factor``.
 
-With ``hysteresis=h > 1`` the scale backs off only on the h-th overflow since the scale last changed
-(Megatron-LM and DeepSpeed use ``h=2``); every overflowing step is still skipped by the caller. The scale never
-leaves ``[min_scale, max_scale]``. A scaler with ``min_scale == max_scale`` is a static scale.
+With ``hysteresis=h > 1`` it is the rule of Megatron-LM's ``DynamicGradScaler`` (``megatron/core/optimizer/
+grad_scaler.py``), step for step: a hysteresis tracker starts at h and every overflow decrements it; the scale
+backs off on an overflow that leaves it ``<= 0``, so after h overflows every further overflow backs off until the
+scale grows; a growth restores it to h. ``consecutive_hysteresis=True`` (DeepSpeed's option) also restores it
+on every clean step, so that only consecutive overflows count. Every overflowing step is skipped by the caller.
+
+The scale is a float32 value, as torch and Megatron-LM hold it: each change is computed in double precision and
+rounded to float32, as ``torch._amp_update_scale_`` does. It never leaves ``[min_scale, max_scale]``, also after
+:meth:`DynamicLossScaler.load_state_dict`. A scaler with ``min_scale == max_scale`` is a static scale.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import struct
+import warnings
 from typing import Any, Union
 
 from torch import Tensor
 
 _STATE_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")
-_CONFIG_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale")
+_CONFIG_KEYS = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_scale",
+    "max_scale",
+)
+_GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_ACCEPTED = (
+    f"accepted: a dict from DynamicLossScaler.state_dict() (keys {list(_STATE_KEYS + _CONFIG_KEYS)}; "
+    f"'scale' and 'growth_tracker' required) or from torch.amp.GradScaler.state_dict() (keys {list(_GRADSCALER_KEYS)})"
+)
+# native byte order: a plain C cast to float (round to nearest even, inf beyond float32's range), where the
+# standard sizes ('<f') would raise OverflowError instead
+_FLOAT32 = struct.Struct("f")
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32, as ``torch.tensor(x, dtype=torch.float32).item()`` (15x cheaper)."""
+    return _FLOAT32.unpack(_FLOAT32.pack(x))[0]
 
 
 class DynamicLossScaler:
     """Loss scale that grows after a run of clean steps and backs off on overflow.
 
     Args:
-        init_scale: the scale of the first step (``2**16`` as :class:`torch.amp.GradScaler`).
+        init_scale: the scale of the first step (``2**16`` as :class:`torch.amp.GradScaler`), rounded to float32.
         growth_factor: factor applied after ``growth_interval`` clean steps; must be ``> 1``.
-        backoff_factor: factor applied on (the ``hysteresis``-th) overflow; must be in ``(0, 1)``.
+        backoff_factor: factor applied on an overflow that exhausts the hysteresis; must be in ``(0, 1)``.
         growth_interval: number of consecutive clean steps before the scale grows; ``>= 1``.
-        hysteresis: overflows tolerated since the last change of scale before backing off; ``>= 1``.
-        min_scale: floor of the scale; ``> 0``.
-        max_scale: ceiling of the scale; ``>= min_scale`` (``math.inf`` for none).
+        hysteresis: overflows since the scale last grew before it backs off (Megatron-LM's ``hysteresis``);
+            once they are spent, every overflow backs off until the next growth. ``>= 1``.
+        consecutive_hysteresis: also restore the hysteresis on every clean step, so that only consecutive
+            overflows count (DeepSpeed's ``consecutive_hysteresis``).
+        min_scale: floor of the scale; ``> 0``. Rounded to float32, as the scale.
+        max_scale: ceiling of the scale; ``>= min_scale`` (``math.inf`` for none). Rounded to float32.
 
     Example:
         ```python
         scaler = DynamicLossScaler(init_scale=1024, growth_interval=100, hysteresis=2)
         scaler.update(found_inf=True)   # first overflow: tolerated by hysteresis
         scaler.update(found_inf=True)   # second: backs off
-        assert scaler.get_scale() == 512.0
+        scaler.update(found_inf=True)   # the hysteresis is spent until the scale grows: backs off again
+        assert scaler.get_scale() == 256.0 and scaler.hysteresis_tracker == -1
         ```
     """
 
@@ -52,31 +86,36 @@ class DynamicLossScaler:
         hysteresis: int = 1,
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
+        *,
+        consecutive_hysteresis: bool = False,
     ) -> None:
+        config = _checked_config(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        _check(_is_real(init_scale), f"init_scale must be a finite number > 0, got {init_scale!r}")
+        scale = _f32(float(init_scale))
         _check(
-            math.isfinite(init_scale) and init_scale > 0,
-            f"init_scale must be a finite number > 0, got {init_scale!r}",
+            math.isfinite(scale) and scale > 0,
+            f"init_scale must be a finite number > 0 within float32's range, got {init_scale!r}",
         )
         _check(
-            math.isfinite(growth_factor) and growth_factor > 1,
-            f"growth_factor must be a finite number > 1, got {growth_factor!r}",
-        )
-        _check(0 < backoff_factor < 1, f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}")
-        _check(_is_int(growth_interval) and growth_interval >= 1, f"growth_interval must be an int >= 1, got {growth_interval!r}")
-        _check(_is_int(hysteresis) and hysteresis >= 1, f"hysteresis must be an int >= 1, got {hysteresis!r}")
-        _check(math.isfinite(min_scale) and min_scale > 0, f"min_scale must be a finite number > 0, got {min_scale!r}")
-        _check(max_scale >= min_scale, f"min_scale ({min_scale!r}) must not exceed max_scale ({max_scale!r})")
-        _check(
-            min_scale <= init_scale <= max_scale,
+            config["min_scale"] <= scale <= config["max_scale"],
             f"init_scale ({init_scale!r}) must lie in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]",
         )
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.hysteresis = int(hysteresis)
-        self.min_scale = float(min_scale)
-        self.max_scale = float(max_scale)
-        self._scale = float(init_scale)
+        self.growth_factor: float = config["growth_factor"]
+        self.backoff_factor: float = config["backoff_factor"]
+        self.growth_interval: int = config["growth_interval"]
+        self.hysteresis: int = config["hysteresis"]
+        self.consecutive_hysteresis: bool = config["consecutive_hysteresis"]
+        self.min_scale: float = config["min_scale"]
+        self.max_scale: float = config["max_scale"]
+        self._scale = scale
         self._growth_tracker = 0
         self._hysteresis_tracker = self.hysteresis
 
@@ -93,7 +132,7 @@ class DynamicLossScaler:
 
     @property
     def scale(self) -> float:
-        """The scale in force now."""
+        """The scale in force now (a float32 value)."""
         return self._scale
 
     def get_scale(self) -> float:
@@ -112,7 +151,11 @@ class DynamicLossScaler:
 
     @property
     def hysteresis_tracker(self) -> int:
-        """Overflows still tolerated before the next back-off."""
+        """``hysteresis`` minus the overflows since the last growth; the next overflow backs off if it is ``<= 1``.
+
+        It goes below 0 in a run of overflows, as Megatron-LM's; with ``consecutive_hysteresis`` a clean step
+        restores it to ``hysteresis``.
+        """
         return self._hysteresis_tracker
 
     def update(self, found_inf: Union[bool, Tensor]) -> None:
@@ -128,19 +171,17 @@ class DynamicLossScaler:
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1
             if self._hysteresis_tracker <= 0:
-                self._change(self.backoff_factor)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker >= self.growth_interval:
-                self._growth_tracker = 0
-                self._change(self.growth_factor)
-
-    def _change(self, factor: float) -> None:
-        # a growth or back-off (even one clamped at a bound) restarts the hysteresis count
-        new_scale = min(max(self._scale * factor, self.min_scale), self.max_scale)
-        if math.isfinite(new_scale):  # as GradScaler: a growth that would reach inf is dropped
-            self._scale = new_scale
-        self._hysteresis_tracker = self.hysteresis
+                self._scale = max(_f32(self._scale * self.backoff_factor), self.min_scale)
+            return
+        if self.consecutive_hysteresis:
+            self._hysteresis_tracker = self.hysteresis
+        self._growth_tracker += 1
+        if self._growth_tracker >= self.growth_interval:
+            self._growth_tracker = 0
+            self._hysteresis_tracker = self.hysteresis
+            grown = min(_f32(self._scale * self.growth_factor), self.max_scale)
+            if grown != math.inf:  # as GradScaler: a growth past float32's range is dropped
+                self._scale = grown
 
     def state_dict(self) -> dict[str, Any]:
         """The scale, the trackers and the configuration.
@@ -157,32 +198,145 @@ class DynamicLossScaler:
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (also accepts a :class:`torch.amp.GradScaler` state dict)."""
-        if "_growth_tracker" in state_dict:  # torch.amp.GradScaler's format
-            state_dict = {
-                "scale": state_dict["scale"],
-                "growth_tracker": state_dict["_growth_tracker"],
-                "growth_factor": state_dict["growth_factor"],
-                "backoff_factor": state_dict["backoff_factor"],
-                "growth_interval": state_dict["growth_interval"],
-            }
-        missing = [k for k in ("scale", "growth_tracker") if k not in state_dict]
+        """Restore what :meth:`state_dict` returned, or the state of a :class:`torch.amp.GradScaler`.
+
+        The configuration keys present replace this scaler's; absent ones (``consecutive_hysteresis`` in state dicts
+        of earlier versions; ``hysteresis``, ``min_scale`` and ``max_scale`` of a GradScaler, which has none) keep
+        this scaler's values. A GradScaler state starts the hysteresis afresh. A scale outside ``[min_scale,
+        max_scale]`` is brought to the nearer bound with a warning; a non-finite or non-positive scale, a missing key
+        or an invalid value raises, and then nothing is changed.
+
+        Args:
+            state_dict: a dict from :meth:`state_dict` or :meth:`torch.amp.GradScaler.state_dict`.
+
+        Raises:
+            KeyError: a required key is missing.
+            ValueError: a value is invalid.
+
+        Example:
+            ```python
+            import warnings
+
+            import torch
+
+            scaler = DynamicLossScaler(max_scale=2.0**20)
+            scaler.load_state_dict(torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=500).state_dict())
+            assert scaler.scale == 1024.0 and scaler.growth_interval == 500 and scaler.max_scale == 2.0**20
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                scaler.load_state_dict(torch.amp.GradScaler("cpu", init_scale=2.0**30).state_dict())
+            assert scaler.scale == 2.0**20 and "above max_scale" in str(caught[0].message)
+            ```
+        """
+        name = f"{type(self).__name__}.load_state_dict"
+        if not state_dict:
+            raise KeyError(f"{name}: the state dict is empty (a disabled GradScaler's is); {_ACCEPTED}")
+        gradscaler = "_growth_tracker" in state_dict
+        required = _GRADSCALER_KEYS if gradscaler else ("scale", "growth_tracker")
+        missing = [k for k in required if k not in state_dict]
         if missing:
-            raise KeyError(f"DynamicLossScaler.load_state_dict: missing keys {missing}; got {sorted(state_dict)}")
-        for k in _CONFIG_KEYS:
-            if k in state_dict:
-                setattr(self, k, type(getattr(self, k))(state_dict[k]))
-        self._scale = float(state_dict["scale"])
-        self._growth_tracker = int(state_dict["growth_tracker"])
-        self._hysteresis_tracker = int(state_dict.get("hysteresis_tracker", self.hysteresis))
+            raise KeyError(f"{name}: missing keys {missing} (got {sorted(state_dict)}); {_ACCEPTED}")
+        config = {k: state_dict.get(k, getattr(self, k)) for k in _CONFIG_KEYS}
+        try:
+            config = _checked_config(**config)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+        growth_tracker = state_dict["_growth_tracker" if gradscaler else "growth_tracker"]
+        _check(
+            _is_int(growth_tracker) and growth_tracker >= 0,
+            f"{name}: growth_tracker must be an int >= 0, got {growth_tracker!r}",
+        )
+        h = config["hysteresis"]
+        hysteresis_tracker = h if gradscaler else state_dict.get("hysteresis_tracker", h)
+        _check(
+            _is_int(hysteresis_tracker) and hysteresis_tracker <= h,
+            f"{name}: hysteresis_tracker must be an int <= hysteresis ({h}), got {hysteresis_tracker!r}",
+        )
+        scale = _loaded_scale(state_dict["scale"], config["min_scale"], config["max_scale"], name)
+        for k, v in config.items():
+            setattr(self, k, v)
+        self._scale = scale
+        self._growth_tracker = int(growth_tracker)
+        self._hysteresis_tracker = int(hysteresis_tracker)
 
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={getattr(self, k)!r}" for k in _CONFIG_KEYS)
         return f"{type(self).__name__}(scale={self._scale!r}, {cfg})"
 
 
+def _checked_config(
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    consecutive_hysteresis: bool,
+    min_scale: float,
+    max_scale: float,
+) -> dict[str, Any]:
+    """The configuration normalised (bounds rounded to float32), or a ValueError that says what is accepted."""
+    _check(
+        _is_real(growth_factor) and math.isfinite(growth_factor) and growth_factor > 1,
+        f"growth_factor must be a finite number > 1, got {growth_factor!r}",
+    )
+    _check(
+        _is_real(backoff_factor) and 0 < backoff_factor < 1,
+        f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}",
+    )
+    _check(
+        _is_int(growth_interval) and growth_interval >= 1,
+        f"growth_interval must be an int >= 1, got {growth_interval!r}",
+    )
+    _check(_is_int(hysteresis) and hysteresis >= 1, f"hysteresis must be an int >= 1, got {hysteresis!r}")
+    _check(
+        isinstance(consecutive_hysteresis, bool),
+        f"consecutive_hysteresis must be a bool, got {consecutive_hysteresis!r}",
+    )
+    _check(
+        _is_real(min_scale) and _is_real(max_scale),
+        f"min_scale and max_scale must be numbers, got {min_scale!r} and {max_scale!r}",
+    )
+    low, high = _f32(float(min_scale)), _f32(float(max_scale))
+    _check(
+        math.isfinite(min_scale) and low > 0,
+        f"min_scale must be a finite number > 0 that float32 does not round to 0 (2**-149 or more), got {min_scale!r}",
+    )
+    _check(max_scale >= min_scale, f"min_scale ({min_scale!r}) must not exceed max_scale ({max_scale!r})")
+    return {
+        "growth_factor": float(growth_factor),
+        "backoff_factor": float(backoff_factor),
+        "growth_interval": int(growth_interval),
+        "hysteresis": int(hysteresis),
+        "consecutive_hysteresis": consecutive_hysteresis,
+        "min_scale": low,
+        "max_scale": high,
+    }
+
+
+def _loaded_scale(value: Any, low: float, high: float, name: str) -> float:
+    """A loaded scale as a float32 value in ``[low, high]``, with a warning if it had to be moved there."""
+    try:
+        scale = _f32(float(value))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: scale must be a number, got {value!r}") from None
+    _check(
+        math.isfinite(scale) and scale > 0,
+        f"{name}: scale must be a finite number > 0 within float32's range, got {value!r}; "
+        "a checkpoint taken after the scale went to inf or 0 cannot resume the scaler",
+    )
+    if not low <= scale <= high:
+        bound, side = (low, "below min_scale") if scale < low else (high, "above max_scale")
+        warnings.warn(f"{name}: the loaded scale {scale!r} is {side} ({bound!r}); using {bound!r}.", stacklevel=3)
+        scale = bound
+    return scale
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check(ok: bool, message: str) -> None:
