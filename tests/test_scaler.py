@@ -3,7 +3,6 @@ DeepSpeed (consecutive hysteresis), the float32 scale, bounds, static scale, sta
 
 import math
 import random
-import warnings
 
 import pytest
 import torch
