@@ -110,15 +110,16 @@ class MemoryProbe(L.Callback):
         ids = {id(p) for p in params}
         masters = [m for m in trainer.precision_plugin.main_params(optimizer) if id(m) not in ids]
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+        counted: set[int] = set()  # each storage once: a module gradient that is its master's gradient is one tensor
         self.result = {
             "params": sum(p.numel() for p in params),
             "norm_params": sum(p.numel() for m in pl_module.modules() if isinstance(m, NORM_LAYERS)
                                for p in m.parameters(recurse=False)),
-            "weights": _nbytes(params),
-            "masters": _nbytes(masters),
-            "grads": _nbytes(p.grad for p in params),
-            "master_grads": _nbytes(m.grad for m in masters),
-            "optimizer_state": _nbytes(state),
+            "weights": _nbytes(params, counted),
+            "masters": _nbytes(masters, counted),
+            "master_grads": _nbytes((m.grad for m in masters), counted),
+            "grads": _nbytes((p.grad for p in params), counted),
+            "optimizer_state": _nbytes(state, counted),
             "activations": sum(self._saved.values()),
             "weight_copies": sum(self._copies.values()),
         }
@@ -132,8 +133,14 @@ def _storage(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _nbytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+def _nbytes(tensors: Any, counted: set[int]) -> int:
+    """Bytes of ``tensors`` whose storage is not in ``counted`` yet (which they join)."""
+    total = 0
+    for t in tensors:
+        if t is not None and _storage(t) not in counted:
+            counted.add(_storage(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def _is_weight_cast(t: Tensor) -> bool:

@@ -4,15 +4,17 @@ Life cycle, driven by :class:`~lightning_mpt.MPTPrecision`:
 
 1. :meth:`MasterWeights.convert` keeps each parameter's fp32 tensor as its master (no copy, so a master is never a
    rounded half value) and gives the parameter a new half-precision tensor. Modules of ``keep_fp32`` types keep
-   fp32 parameters, which are their own masters.
-2. :meth:`MasterWeights.prepare` copies the half gradients into fresh fp32 master gradients and unscales them
-   with torch's fused AMP kernel (non-finite check included, no host sync).
-3. :meth:`MasterWeights.enter` puts the masters into the optimizer's ``param_groups`` (its state follows them)
-   for clipping and ``optimizer.step()``, and, where torch allows a gradient of another dtype
-   (``Tensor.grad_dtype``), shows the fp32 master gradients on the module's parameters too, so clipping hooks that
-   walk ``module.parameters()`` act on what gets stepped. :meth:`MasterWeights.exit` undoes that and refreshes the
-   half weights from the masters in one foreach copy. The parameters' data never changes dtype during training:
-   that would reset their autograd gradient accumulators and detach DDP's hooks.
+   fp32 parameters, which are their own masters. A parameter shared by several modules (tied weights) has one
+   master under every name.
+2. :meth:`MasterWeights.prepare` copies the half gradients into fp32 master gradients and unscales them with torch's
+   fused AMP kernel (non-finite check included, no host sync). On torch >= 2.13 the module's parameters then carry
+   those fp32 gradients and the half ones are freed; on older torch the half gradients receive the unscaled values.
+   It also flags, on the device, half weights that user code edited in place since the last step (a WGAN clamp,
+   ``nn.Embedding(max_norm=...)``): :meth:`MasterWeights.adopt_edits` copies those edits into the masters.
+3. :meth:`MasterWeights.enter` puts the masters into the optimizer's ``param_groups`` (its state follows them) for
+   ``optimizer.step()``; :meth:`MasterWeights.exit` gives the parameters back and refreshes the half weights from
+   the masters in one foreach copy. The parameters' data never changes dtype during training: that would reset
+   their autograd gradient accumulators and detach DDP's hooks.
 4. :meth:`MasterWeights.restore` gives the module its fp32 masters back.
 
 While converted, ``module.state_dict()`` returns the masters and ``module.load_state_dict()`` writes them.
@@ -20,6 +22,7 @@ While converted, ``module.state_dict()`` returns the masters and ``module.load_s
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,25 +34,35 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mpt.numerics import max_abs
+from lightning_mpt import _compat
 
 # parameters of these modules stay fp32: normalisation statistics and affine parameters are precision-sensitive
 DEFAULT_KEEP_FP32: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm* and their lazy variants
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LazyInstanceNorm1d,
+    nn.LazyInstanceNorm2d,
+    nn.LazyInstanceNorm3d,
     nn.GroupNorm,
     nn.LayerNorm,
     nn.LocalResponseNorm,
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+    nn.CrossMapLRN2d,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),  # torch >= 2.4
 )
 
-# modules with parameters whose ops torch.autocast does not cover: their floating inputs are cast to the weights
-_AUTOCAST_UNCOVERED = (nn.Bilinear, nn.RNNBase)
+# modules with parameters whose ops torch.autocast does not cover: their floating inputs (positional and keyword)
+# are cast to the weights' dtype. Found by running every nn module with half weights under CPU and CUDA autocast.
+_AUTOCAST_UNCOVERED = (nn.Bilinear, nn.RNNBase, nn.RNNCellBase, nn.EmbeddingBag, nn.AdaptiveLogSoftmaxWithLoss)
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-# torch >= 2.13 lets a parameter hold a gradient of another dtype (``Tensor.grad_dtype = None``). A dtype set
-# there stays pinned, so converted parameters get ``None`` once and keep it: gradients of any dtype are accepted.
-_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")
 
 
 @dataclass
@@ -59,23 +72,24 @@ class PreparedGrads:
     params: list[Tensor] = field(default_factory=list)  # module parameters that have a separate master
     masters: list[Tensor] = field(default_factory=list)
     master_grads: list[Tensor] = field(default_factory=list)
-    half_grads: list[Tensor] = field(default_factory=list)
+    shown: list[Tensor] = field(default_factory=list)  # what each parameter's ``.grad`` holds for hooks to see
+    shown_versions: list[int] = field(default_factory=list)  # of ``shown`` as written, to notice edits by hooks
     own_params: list[Tensor] = field(default_factory=list)  # parameters that are their own master (fp32)
     found_inf: Optional[Tensor] = None  # 0-dim, > 0 when a gradient was non-finite; None when no gradients
+    edited: Optional[Tensor] = None  # per entry of ``params``: whether its half weight was edited since the last step
     entered: bool = False  # whether the optimizer holds the masters now
-    half_versions: list[int] = field(default_factory=list)  # of the half grads as written, to notice edits by hooks
     master_versions: list[int] = field(default_factory=list)  # of the master grads at enter, to notice clipping
 
     def all_params(self) -> list[Tensor]:
         return self.params + self.own_params
 
     def fp32_grads(self) -> list[Tensor]:
-        return self.master_grads + [p.grad for p in self.own_params]
+        return self.master_grads + [p.grad for p in self.own_params if p.grad is not None]
 
     def nonfinite_mask(self) -> Optional[Tensor]:
         """Per-parameter flags (aligned with :meth:`all_params`) of non-finite gradients, on device, no sync."""
         grads = self.fp32_grads()
-        return ~torch.isfinite(max_abs(grads)) if grads else None
+        return ~torch.isfinite(torch.stack(_compat.foreach_max_abs(grads))) if grads else None
 
 
 @dataclass
@@ -132,49 +146,47 @@ class MasterWeights:
         owners: dict[nn.Module, list[str]] = defaultdict(list)
         for mod in module.modules():
             for name, p in mod.named_parameters(recurse=False):
-                if id(p) in kept or p in self._converted or not _castable(p):
+                if id(p) in kept or not _castable(p):
                     continue
-                owners[mod].append(name)
+                owners[mod].append(name)  # every name of a shared parameter: each must save the master
+                if p in self._converted:
+                    continue
                 master = p.data if p.dtype == torch.float32 else p.data.float()
                 grad = p.grad
                 _point(p, master.to(self.dtype), None if grad is None else grad.to(self.dtype))
-                if _GRAD_DTYPE:
-                    p.grad_dtype = None  # may carry its fp32 master gradient while clipping (see enter())
+                if _compat.GRAD_DTYPE:
+                    p.grad_dtype = None  # may carry its fp32 gradient at the step (see prepare())
                 self._converted[p] = None
                 if self.enabled:
                     self._masters[p] = master
                     self._param_of[master] = p
+        self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
         for mod, names in owners.items():
-            self._handles.append(mod._register_state_dict_hook(_MasterStateDictHook(self, names)))
-            self._handles.append(
-                mod._register_load_state_dict_pre_hook(_MasterLoadHook(self, names), with_module=True)
-            )
+            self._handles.append(mod.register_state_dict_post_hook(_MasterStateDictHook(self, names)))
+            self._handles.append(mod.register_load_state_dict_pre_hook(_MasterLoadHook(self, names)))
             if isinstance(mod, _AUTOCAST_UNCOVERED):
-                self._handles.append(mod.register_forward_pre_hook(_cast_inputs_to_weight))
+                self._handles.append(mod.register_forward_pre_hook(_cast_inputs_to_weight, with_kwargs=True))
         return module
 
     def restore(self) -> None:
-        """Give the converted parameters fp32 tensors again: their masters, or the values that other code wrote.
-
-        A half weight that no longer equals its rounded master was written from outside the optimizer step (for
-        example by a weight-averaging callback at the end of fit); it is taken as is.
-        """
+        """Give the converted parameters fp32 tensors again: their masters, with any edit made to the half weights
+        since the last step (for example by a weight-averaging callback at the end of fit) adopted first."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        last_half_grad = {p: g for prepared in self._stepped for p, g in zip(prepared.params, prepared.half_grads)}
+        self.adopt_all_edits()
         for p in self._converted:
             master = self._masters.get(p)
             data = p.data
-            if master is None or data.dtype != self.dtype or not torch.equal(data, master.to(data.device, data.dtype)):
+            if master is None or data.dtype != self.dtype:  # no master, or replaced by other code: take it as is
                 master = data.float()
             grad = p.grad
-            if grad is not None and grad is last_half_grad.get(p) and master.grad is not None:
-                grad = master.grad  # the exact fp32 gradient of the last step
+            if grad is not None and grad.dtype != torch.float32:
+                grad = master.grad if master.grad is not None and grad.shape == master.shape else grad.float()
             p.grad = None
             p.data = master.to(data.device)
             if grad is not None:
-                p.grad = grad.float()
+                p.grad = grad
             master.grad = None
         self._converted.clear()
         self._masters.clear()
@@ -212,11 +224,10 @@ class MasterWeights:
         """Make every process hold the masters of rank ``src`` (their half weights follow)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 or not self._masters:
             return
-        masters = list(self._masters.values())
-        for group in _by_device(masters).values():
-            flat = torch._utils._flatten_dense_tensors(group)
+        for group in _by_device(list(self._masters.values())).values():
+            flat = torch.cat([m.reshape(-1) for m in group])
             dist.broadcast(flat, src=src)
-            torch._foreach_copy_(group, torch._utils._unflatten_dense_tensors(flat, group))
+            _compat.foreach_copy_(group, [t.view_as(m) for t, m in zip(flat.split([m.numel() for m in group]), group)])
         self.refresh()
 
     def refresh(self) -> None:
@@ -224,16 +235,25 @@ class MasterWeights:
         _write_halves(list(self._masters), list(self._masters.values()))
 
     def adopt_optimizer(self, optimizer: Optimizer) -> list[RemovableHandle]:
-        """Keep ``optimizer``'s state fp32: cast state it created for half parameters (Adagrad does so at
-        construction) and let ``load_state_dict`` see the masters, since torch casts loaded state to the dtype of
-        the parameters it finds in ``param_groups``."""
-        for p in _params_of(optimizer):
-            master = self._masters.get(p)
-            if master is None:
-                continue
-            for k, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, Tensor) and v.dtype == self.dtype and v.shape == p.shape:
-                    optimizer.state[p][k] = v.to(master.dtype)
+        """Keep ``optimizer``'s state fp32 and exact, and let ``load_state_dict`` see the masters (torch casts loaded
+        state to the dtype of the parameters it finds in ``param_groups``).
+
+        State an optimizer builds at construction for half parameters (Adagrad's accumulator) was computed in half
+        precision: it is rebuilt exactly by constructing the same optimizer over the masters.
+        """
+        rounded = [
+            (p, k)
+            for p in _params_of(optimizer)
+            if p in self._masters
+            for k, v in optimizer.state.get(p, {}).items()
+            if isinstance(v, Tensor) and v.dtype == self.dtype
+        ]
+        if rounded:
+            fresh = _rebuild_over_masters(optimizer, self._masters)
+            for p, k in rounded:
+                master = self._masters[p]
+                exact = None if fresh is None else fresh.state.get(master, {}).get(k)
+                optimizer.state[p][k] = exact if isinstance(exact, Tensor) else optimizer.state[p][k].float()
         return [
             optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: self.swap_groups(opt, True)),
             optimizer.register_load_state_dict_post_hook(lambda opt: self.swap_groups(opt, False)),
@@ -273,112 +293,160 @@ class MasterWeights:
         return plan
 
     # ------------------------------------------------------------------ the optimizer step
-    def prepare(self, optimizer: Optimizer, scale: float) -> PreparedGrads:
+    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> PreparedGrads:
         """Copy ``optimizer``'s half gradients into fp32 master gradients and unscale everything by ``1/scale``.
 
-        Gradients of fp32 parameters are unscaled in place. The half ``.grad`` receives the unscaled values too, so
-        hooks that read ``param.grad`` see true gradients. No host sync: ``found_inf`` stays on the device.
+        Gradients of fp32 parameters are unscaled in place. No host sync: ``found_inf`` and ``edited`` stay on the
+        device. A parameter without a gradient gets none on its master either, so the optimizer leaves it alone.
         """
         out = PreparedGrads()
         plan = self._plan(optimizer)
         for _, _, p, master in plan.slots:
-            g = p.grad
-            if g is not None:
+            if p.grad is None:
+                master.grad = None
+            else:
                 out.params.append(p)
                 out.masters.append(master)
-                out.half_grads.append(g)
         out.own_params = [p for p in plan.own if p.grad is not None]
-        if any(g.is_sparse for g in out.half_grads) or any(p.grad.is_sparse for p in out.own_params):
+        if any(p.grad.is_sparse for p in out.all_params()):
             raise RuntimeError("MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False).")
-        out.master_grads = [torch.empty_like(m) for m in out.masters]
-        if out.masters:
-            torch._foreach_copy_(out.master_grads, out.half_grads)
+        edited = []
+        for start, stop in _chunks(out.params):
+            edited.append(self._to_fp32(out, start, stop, check_edits))
+        if check_edits and edited:
+            out.edited = torch.cat(edited)
         out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale, plan.device)
-        if scale != 1.0 and out.half_grads:
-            torch._foreach_copy_(out.half_grads, out.master_grads)
-        out.half_versions = [g._version for g in out.half_grads]
-        for m, g in zip(out.masters, out.master_grads):
-            m.grad = g
+        if not _compat.GRAD_DTYPE and out.shown:
+            _compat.foreach_copy_(out.shown, out.master_grads)  # hooks see the unscaled values, in the half format
+        out.shown_versions = [_compat.version(g) for g in out.shown]
         return out
 
+    def _to_fp32(self, out: PreparedGrads, start: int, stop: int, check_edits: bool) -> Tensor:
+        """Give ``out.params[start:stop]`` fp32 gradients (on their masters, and on themselves where torch allows it,
+        which frees the half ones at once); the half gradients, dead once copied, are the scratch space of the check
+        for edited weights, whose flags are returned."""
+        params, masters = out.params[start:stop], out.masters[start:stop]
+        halves = [p.grad for p in params]
+        # a gradient already fp32 (left on the parameter by the last step and accumulated into) is used in place
+        fp32 = [g if g.dtype == torch.float32 else torch.empty_like(m) for g, m in zip(halves, masters)]
+        copy = [(f, g) for f, g in zip(fp32, halves) if f is not g]
+        if copy:
+            _compat.foreach_copy_([f for f, _ in copy], [g for _, g in copy])
+        flags = torch.zeros(0, dtype=torch.bool, device=params[0].device)
+        if check_edits:
+            scratch = [g if g.dtype == p.dtype and g.is_contiguous() else torch.empty_like(p) for g, p in zip(halves, params)]
+            flags = _edited(params, masters, scratch)
+        shown = fp32 if _compat.GRAD_DTYPE else halves
+        for p, m, f, g in zip(params, masters, fp32, shown):
+            p.grad = g
+            m.grad = f
+        out.master_grads.extend(fp32)
+        out.shown.extend(shown)
+        return flags
+
+    def adopt_edits(self, prepared: PreparedGrads, flags: list[float]) -> list[str]:
+        """Copy into the masters the half weights that ``flags`` (the host values of ``prepared.edited``) mark as
+        edited since the last step; return their names."""
+        edited = [(p, m) for p, m, f in zip(prepared.params, prepared.masters, flags) if f]
+        self._copy_into_masters(edited)
+        return [self.name_of(p) for p, _ in edited]
+
+    def adopt_all_edits(self) -> list[str]:
+        """Check every converted parameter for an edit of its half weight (one host sync) and adopt what is found."""
+        pairs = [(p, m) for p, m in self._masters.items() if p.dtype == self.dtype and p.shape == m.shape]
+        if not pairs:
+            return []
+        with torch.no_grad():
+            flags = _edited([p for p, _ in pairs], [m for _, m in pairs], [torch.empty_like(p) for p, _ in pairs])
+        edited = [pair for pair, f in zip(pairs, flags.tolist()) if f]
+        self._copy_into_masters(edited)
+        return [self.name_of(p) for p, _ in edited]
+
+    @staticmethod
+    def _copy_into_masters(pairs: list[tuple[Tensor, Tensor]]) -> None:
+        if pairs:
+            with torch.no_grad():
+                _compat.foreach_copy_([m for _, m in pairs], [p for p, _ in pairs])
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not keep_vars:
+            self.adopt_all_edits()  # a checkpoint written after a hook clamped the weights holds the clamped values
+
     def sync_edits(self, prepared: PreparedGrads) -> None:
-        """Copy into the master gradients the half gradients that hooks changed (in place or by assignment) since
-        :meth:`prepare` wrote them: what the user edited is what gets stepped."""
-        for i, (p, g, v) in enumerate(zip(prepared.params, prepared.half_grads, prepared.half_versions)):
+        """Make the master gradients what hooks left on the parameters since :meth:`prepare`: a gradient edited in
+        place (torch < 2.13 shows half copies), assigned, or set to ``None`` (then the optimizer skips it)."""
+        for i, (p, shown, v) in enumerate(zip(prepared.params, prepared.shown, prepared.shown_versions)):
             now, master_grad = p.grad, prepared.master_grads[i]
-            if now is master_grad or (now is g and g._version == v):
+            if now is master_grad or (now is shown and _compat.version(shown) == v):
                 continue
             if now is None:
-                master_grad.zero_()
+                prepared.masters[i].grad = None
             else:
                 master_grad.copy_(now)
-            if now is g:
-                prepared.half_versions[i] = g._version
+            if now is shown:
+                prepared.shown_versions[i] = _compat.version(shown)
 
-    def enter(self, optimizer: Optimizer, prepared: PreparedGrads, show_on_module: bool) -> None:
-        """Hand the masters to ``optimizer`` for clipping and its step.
-
-        ``show_on_module``: also let the module's parameters carry their fp32 master gradients until :meth:`exit`,
-        for user code that walks ``module.parameters()`` meanwhile (torch >= 2.13 only, see ``_GRAD_DTYPE``).
-        """
+    def enter(self, optimizer: Optimizer, prepared: PreparedGrads) -> None:
+        """Hand the masters to ``optimizer`` for its step."""
         self.sync_edits(prepared)
         self.swap_groups(optimizer, True)
-        if show_on_module and _GRAD_DTYPE:
-            for p, g in zip(prepared.params, prepared.master_grads):
-                p.grad = g
-        prepared.master_versions = [g._version for g in prepared.master_grads]
+        prepared.master_versions = [_compat.version(g) for g in prepared.master_grads]
         prepared.entered = True
 
     def exit(self, optimizer: Optimizer, prepared: PreparedGrads, stepped: bool) -> None:
         """Give ``optimizer`` its parameters back and refresh the half weights from the masters.
 
-        The half gradients show what was stepped (clipped values included). After a step (``stepped``) each master
-        keeps the fp32 gradient it was stepped with until :meth:`drop_stepped_grads`: the plugin drops them when the
-        next forward starts, so they never add to the activation peak.
+        The parameters' gradients show what was stepped (clipped values included). After a step (``stepped``) each
+        master keeps the fp32 gradient it was stepped with until :meth:`release_stepped` (the next forward).
         """
         self.swap_groups(optimizer, False)
-        for p, m, g, mg, v in zip(
-            prepared.params, prepared.masters, prepared.half_grads, prepared.master_grads, prepared.master_versions
-        ):
-            if p.grad is mg:
-                p.grad = g
-            if mg._version != v:  # clipped or edited while entered
-                g.copy_(mg)
-            if not stepped:
-                m.grad = None
+        for shown, mg, v in zip(prepared.shown, prepared.master_grads, prepared.master_versions):
+            if shown is not mg and _compat.version(mg) != v:  # clipped or edited while entered (torch < 2.13)
+                shown.copy_(mg)
         if stepped:
             self._stepped.append(prepared)
+        else:
+            for m in prepared.masters:
+                m.grad = None
         _write_halves(prepared.params, prepared.masters)
         prepared.entered = False
 
-    def drop_stepped_grads(self) -> None:
-        """Release the fp32 gradients that the masters kept from the last step(s)."""
-        for prepared in self._stepped:
-            MasterWeights.release(prepared, clear_grads=False)
-        self._stepped.clear()
-
-    @staticmethod
-    def release(prepared: PreparedGrads, clear_grads: bool) -> None:
-        """Drop the fp32 master gradients; with ``clear_grads`` also the parameters' own gradients."""
+    def discard(self, prepared: PreparedGrads) -> None:
+        """A skipped step: drop every gradient it prepared, the parameters' own included."""
         for m in prepared.masters:
             m.grad = None
-        if clear_grads:
-            for p in prepared.all_params():
-                p.grad = None
+        for p in prepared.all_params():
+            p.grad = None
+
+    def release_stepped(self, drop_module_grads: bool) -> None:
+        """Release the fp32 gradients that the masters kept from the last step(s).
+
+        ``drop_module_grads``: also drop them from the module's parameters (Lightning's automatic optimization zeroes
+        them before the next backward anyway), so they do not add to the next forward's memory. Otherwise a
+        parameter still holding an fp32 gradient gets it back in its own half format, so that the next backward
+        (and DDP's reducer, which insists on the parameter's dtype) accumulates into it as usual.
+        """
+        for prepared in self._stepped:
+            for p, m, mg in zip(prepared.params, prepared.masters, prepared.master_grads):
+                m.grad = None
+                if p.grad is mg:
+                    p.grad = None if drop_module_grads else mg.to(p.dtype)
+        self._stepped.clear()
 
 
 class _MasterStateDictHook:
-    """``state_dict`` hook of one module: its converted parameters are saved as their fp32 masters."""
+    """``state_dict`` post-hook of one module: its converted parameters are saved as their fp32 masters."""
 
     def __init__(self, owner: MasterWeights, names: list[str]) -> None:
         self.owner, self.names = owner, names
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         for name in self.names:
-            key, p = prefix + name, module._parameters.get(name)
+            key = prefix + name
             value = state_dict.get(key)
-            if p is None or value is None or isinstance(value, nn.Parameter):  # keep_vars=True: leave the objects
+            if value is None or isinstance(value, nn.Parameter):  # keep_vars=True: leave the objects
                 continue
+            p = module.get_parameter(name)
             master = self.owner._masters.get(p)
             if master is not None:
                 state_dict[key] = master.detach()
@@ -398,8 +466,8 @@ class _MasterLoadHook:
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         for name in self.names:
-            p, value = module._parameters.get(name), state_dict.get(prefix + name)
-            master = self.owner._masters.get(p) if p is not None else None
+            value = state_dict.get(prefix + name)
+            master = self.owner._masters.get(module.get_parameter(name))
             if master is not None and isinstance(value, Tensor) and value.shape == master.shape:
                 with torch.no_grad():
                     master.copy_(value)
@@ -408,26 +476,66 @@ class _MasterLoadHook:
         return self
 
 
+def _chunks(params: list[Tensor], budget: int = 2**24) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` index ranges of ``params`` holding about ``budget`` elements each: the half gradients of one
+    range are freed before the fp32 ones of the next are allocated, so the step's peak stays near 18 bytes per
+    parameter (plus one range), not 20."""
+    start, size = 0, 0
+    for i, p in enumerate(params):
+        size += p.numel()
+        if size >= budget:
+            yield start, i + 1
+            start, size = i + 1, 0
+    if start < len(params):
+        yield start, len(params)
+
+
+def _edited(params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) -> Tensor:
+    """Per parameter, on the device: whether the half weight differs from its rounded master (cast and compare,
+    in ``scratch``, which is overwritten)."""
+    _compat.foreach_copy_(scratch, masters)
+    _compat.foreach_sub_(scratch, params)
+    return torch.stack(_compat.foreach_max_abs(scratch)) != 0
+
+
+def _rebuild_over_masters(optimizer: Optimizer, masters: dict[Tensor, Tensor]) -> Optional[Optimizer]:
+    """The same optimizer constructed over the masters (its construction-time state then is exact fp32), or ``None``
+    with a warning when its class cannot be constructed from its param groups alone."""
+    groups = [{**g, "params": [masters.get(p, p) for p in g["params"]]} for g in optimizer.param_groups]
+    try:  # torch's optimizers take their ``defaults`` as keyword arguments (Adagrad reads its accumulator from there)
+        return type(optimizer)(groups, **optimizer.defaults)
+    except Exception as err:  # a custom optimizer whose constructor takes other arguments
+        warnings.warn(
+            f"MPTPrecision: {type(optimizer).__name__} created state for half-precision parameters at construction, "
+            f"and it could not be rebuilt over the fp32 masters ({type(err).__name__}: {err}); that state is cast to "
+            "fp32 from its half-precision values. To keep it exact, let the optimizer create its state at the "
+            "first step, or accept `params` and keyword arguments only in its constructor.",
+            stacklevel=2,
+        )
+        return None
+
+
 def _write_halves(params: list[Tensor], masters: list[Tensor]) -> None:
     """Round the masters into their half parameters, in one foreach copy."""
     if params:
         with torch.no_grad():
-            torch._foreach_copy_(params, masters)
+            _compat.foreach_copy_(params, masters)
 
 
 def _castable(p: Tensor) -> bool:
     return p.dtype == torch.float32 or p.dtype in HALF_DTYPES
 
 
-def _cast_inputs_to_weight(module: nn.Module, args: tuple) -> tuple:
-    return _cast_floating(args, next(module.parameters()).dtype)
+def _cast_inputs_to_weight(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    dtype = next(module.parameters()).dtype
+    return _cast_floating(args, dtype), {k: _cast_floating(v, dtype) for k, v in kwargs.items()}
 
 
 def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
     if isinstance(x, Tensor):
         return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, tuple):
-        return tuple(_cast_floating(v, dtype) for v in x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast_floating(v, dtype) for v in x)
     return x
 
 
@@ -462,6 +570,6 @@ def _unscale_(grads: list[Tensor], inv_scale: float, device: Optional[torch.devi
     found: Optional[Tensor] = None
     for dev, group in groups:
         found_inf = torch.zeros((), device=dev)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, torch.full((), inv_scale, device=dev))
+        _compat.unscale_(group, found_inf, torch.full((), inv_scale, device=dev))
         found = found_inf if found is None else found + found_inf.to(found.device)
     return found

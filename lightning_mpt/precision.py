@@ -1,5 +1,10 @@
 """``MPTPrecision``: a Lightning precision plugin with a half-precision model, fp32 master weights owned by the
-optimizer, and a configurable dynamic loss scaler."""
+optimizer, and a configurable dynamic loss scaler.
+
+The plugin wires Lightning's hooks to three pure-torch pieces: :class:`~lightning_mpt.master.MasterWeights` (the
+fp32 copy), :class:`~lightning_mpt.policy.StepPolicy` (scale, decide, guard) and
+:class:`~lightning_mpt.scaler.DynamicLossScaler`.
+"""
 
 from __future__ import annotations
 
@@ -7,59 +12,41 @@ import math
 from collections import deque
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_mpt import _compat
 from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights, PreparedGrads
+from lightning_mpt.policy import NonFiniteGradientError, StepPolicy, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
+
+__all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strategy"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
-_HISTORY = 1024  # optimizer steps kept in ``MPTPrecision.history``
-
-
-class NonFiniteGradientError(RuntimeError):
-    """Raised when training keeps producing non-finite gradients (see ``MPTPrecision(max_consecutive_skips=...)``)."""
 
 
 @dataclass
-class StepRecord:
-    """What happened at one optimizer step under :class:`MPTPrecision`.
+class _Pending:
+    """An optimizer step whose gradients are unscaled and whose fate is decided, not yet carried out."""
 
-    ``scale`` is the loss scale the step's gradients were computed with. For a skipped step the names of the
-    parameters whose gradients were non-finite are computed on first access of :attr:`nonfinite_params` (one host
-    sync), so recording them costs nothing when nobody asks.
-    """
-
-    step: int  # optimizer steps taken by the plugin before this one (skipped ones included)
-    scale: float
+    prepared: PreparedGrads
     skipped: bool
-    loss_finite: bool = True
-    _names: list[str] = field(default_factory=list, repr=False)
-    _mask: Optional[Tensor] = field(default=None, repr=False)
-
-    @property
-    def nonfinite_params(self) -> list[str]:
-        """Names of the parameters whose gradients held inf or NaN at this step (empty for a clean step)."""
-        if self._mask is not None:
-            self._names = [n for n, bad in zip(self._names, self._mask.tolist()) if bad]
-            self._mask = None
-        return self._names
+    loss_finite: bool
+    scale: float
+    culprits: Optional[Tensor] = None  # on a skip: per-parameter non-finite flags, taken before any clipping
 
 
 class MPTPrecision(Precision):
@@ -68,7 +55,8 @@ class MPTPrecision(Precision):
     The model's parameters live in fp16/bf16 (norm layers stay fp32) and the forward runs under autocast. The
     optimizer steps fp32 masters taken from the weights before they were cast; its state is fp32. The loss is
     scaled before backward; at each optimizer step the half gradients are copied into fp32, unscaled with fused
-    kernels (one host sync per step), and a step with a non-finite gradient is skipped.
+    kernels, and the step is decided (one host sync) before the optimizer runs: a step with a non-finite gradient is
+    skipped and changes nothing.
 
     Args:
         precision: ``"fp16"`` or ``"bf16"``.
@@ -76,8 +64,10 @@ class MPTPrecision(Precision):
             :class:`DynamicLossScaler`, or a number for a static scale.
         master_weights: keep fp32 masters. ``False`` steps the half weights directly (same scaler), the
             configuration that shows what master weights buy.
-        keep_fp32: module types whose parameters and buffers stay fp32 (all norm layers by default).
-        max_consecutive_skips: raise :class:`NonFiniteGradientError` after this many skipped steps in a row.
+        keep_fp32: module types whose parameters and buffers stay fp32 (all norm layers by default); a class or a
+            tuple of classes.
+        max_consecutive_skips: raise :class:`NonFiniteGradientError` after this many skipped steps in a row of one
+            optimizer.
 
     Example:
         ```python
@@ -94,57 +84,34 @@ class MPTPrecision(Precision):
         *,
         scaler: Union[DynamicLossScaler, float, None] = None,
         master_weights: bool = True,
-        keep_fp32: tuple[type[Module], ...] = DEFAULT_KEEP_FP32,
+        keep_fp32: Union[type[Module], tuple[type[Module], ...]] = DEFAULT_KEEP_FP32,
         max_consecutive_skips: int = 50,
     ) -> None:
-        if precision not in _DTYPES:
-            raise ValueError(f"MPTPrecision(precision={precision!r}): precision must be one of 'fp16', 'bf16'.")
-        if scaler is None:
-            scaler = DynamicLossScaler() if precision == "fp16" else None
-        elif isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
-            if not (math.isfinite(scaler) and scaler > 0):
-                raise ValueError(f"MPTPrecision(scaler={scaler!r}): a static scale must be a finite number > 0.")
-            scaler = DynamicLossScaler.static(float(scaler))
-        elif not isinstance(scaler, DynamicLossScaler):
-            raise TypeError(
-                f"MPTPrecision(scaler={scaler!r}): expected None, a DynamicLossScaler or a number (a static scale)."
-            )
-        keep_fp32 = tuple(keep_fp32)
-        bad = [k for k in keep_fp32 if not (isinstance(k, type) and issubclass(k, Module))]
-        if bad:
-            raise TypeError(f"MPTPrecision(keep_fp32=...): expected torch.nn.Module subclasses, got {bad!r}.")
-        if not (isinstance(max_consecutive_skips, int) and max_consecutive_skips >= 1):
-            raise ValueError(
-                f"MPTPrecision(max_consecutive_skips={max_consecutive_skips!r}): expected an int >= 1."
-            )
+        dtype, scaler, keep_fp32 = _check_arguments(precision, scaler, master_weights, keep_fp32, max_consecutive_skips)
         self.precision = _LIGHTNING_NAMES[precision]  # type: ignore[assignment]
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set again in connect()
-        self.scaler: Optional[DynamicLossScaler] = scaler
         self.master_weights = master_weights
         self.keep_fp32 = keep_fp32
         self.max_consecutive_skips = max_consecutive_skips
-        self.skipped_steps = 0
-        self.last_step_skipped = False
-        self.history: deque[StepRecord] = deque(maxlen=_HISTORY)
-        self._dtype = _DTYPES[precision]
-        self._masters = MasterWeights(self._dtype, keep_fp32, enabled=master_weights)
-        self._consecutive_skips = 0
-        self._steps = 0
-        self._pending: dict[Optimizer, PreparedGrads] = {}
-        self._backward_scale = self.loss_scale
-        self._loss_finite: Optional[Tensor] = None
-        self._optimizer_hooks: dict[Optimizer, list[Any]] = {}
+        self._dtype = dtype
+        self._policy = StepPolicy(scaler, max_consecutive_skips)
+        self._masters = MasterWeights(dtype, keep_fp32, enabled=master_weights)
+        self._pending: dict[Optimizer, _Pending] = {}
+        self._optimizers: dict[Optimizer, list[Any]] = {}  # adopted optimizers (in order) -> their hook handles
+        self._automatic = True  # the module's automatic_optimization, read at connect()
+        self._reported_edits: set[str] = set()
+        self._swa: list[Any] = []  # StochasticWeightAveraging callbacks adapted to the masters
 
     # ------------------------------------------------------------------ public state
     @property
-    def loss_scale(self) -> float:
-        """The loss scale in force now (1.0 when not scaling)."""
-        return self.scaler.scale if self.scaler is not None else 1.0
+    def scaler(self) -> Optional[DynamicLossScaler]:  # type: ignore[override]
+        """The loss scaler, ``None`` when not scaling (``trainer.scaler`` returns it)."""
+        return self._policy.scaler
 
     @property
-    def last_step(self) -> Optional[StepRecord]:
-        """The record of the latest optimizer step, or ``None`` before the first."""
-        return self.history[-1] if self.history else None
+    def loss_scale(self) -> float:
+        """The loss scale in force now (1.0 when not scaling)."""
+        return self._policy.loss_scale
 
     @property
     def backward_scale(self) -> float:
@@ -152,7 +119,32 @@ class MPTPrecision(Precision):
 
         It differs from :attr:`loss_scale` between an optimizer step that changed the scale and the next backward.
         """
-        return self._backward_scale
+        return self._policy.backward_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients since the start of training."""
+        return self._policy.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest optimizer step was skipped."""
+        return self._policy.last_step_skipped
+
+    @property
+    def history(self) -> deque[StepRecord]:
+        """One :class:`StepRecord` per optimizer step (the latest 1024)."""
+        return self._policy.history
+
+    @property
+    def last_step(self) -> Optional[StepRecord]:
+        """The record of the latest optimizer step, or ``None`` before the first."""
+        return self.history[-1] if self.history else None
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        """The half-precision format of the model's weights: ``torch.float16`` or ``torch.bfloat16``."""
+        return self._dtype
 
     def master_of(self, param: Tensor) -> Tensor:
         """The fp32 tensor the optimizer steps for the module parameter ``param``: its master, or ``param`` itself
@@ -169,11 +161,6 @@ class MPTPrecision(Precision):
             ```
         """
         return self._masters.master_of(param)
-
-    @property
-    def half_dtype(self) -> torch.dtype:
-        """The half-precision format of the model's weights: ``torch.float16`` or ``torch.bfloat16``."""
-        return self._dtype
 
     def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
         """``(name, half parameter, fp32 master)`` for each parameter with a master (during a stage).
@@ -212,22 +199,32 @@ class MPTPrecision(Precision):
         first = next(model.parameters(), None)
         if first is not None:
             self.device = first.device.type
+        lightning_module = getattr(model, "module", model)  # DDP wraps it
+        self._automatic = getattr(lightning_module, "automatic_optimization", True)
         self._masters.follow_devices()
         self._masters.broadcast()
+        trainer = getattr(lightning_module, "_trainer", None)
+        if trainer is not None and self.master_weights:
+            self._swa = _adapt_weight_averaging(trainer.callbacks, self._masters)
         return model, optimizers, lr_schedulers
 
     def teardown(self) -> None:
-        for handles in self._optimizer_hooks.values():
+        for handles in self._optimizers.values():
             for h in handles:
                 h.remove()
-        self._optimizer_hooks.clear()
+        self._optimizers.clear()
+        for callback in self._swa:
+            for name in ("update_parameters", "transfer_weights"):
+                callback.__dict__.pop(name, None)
+        self._swa.clear()
         self._drop_pending()  # a run that failed inside a step leaves it half done
-        self._loss_finite = None
         self._masters.restore()
 
-    def _adopt(self, optimizer: Optimizer) -> None:
-        if optimizer not in self._optimizer_hooks:
-            self._optimizer_hooks[optimizer] = self._masters.adopt_optimizer(optimizer)
+    def _adopt(self, optimizer: Optimizer) -> int:
+        """The index of ``optimizer`` (its position among the optimizers seen), adopting it on first sight."""
+        if optimizer not in self._optimizers:
+            self._optimizers[optimizer] = self._masters.adopt_optimizer(optimizer)
+        return list(self._optimizers).index(optimizer)
 
     # ------------------------------------------------------------------ forward and backward
     def autocast_context_manager(self) -> torch.autocast:
@@ -241,26 +238,24 @@ class MPTPrecision(Precision):
 
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
-        self._masters.drop_stepped_grads()  # the last step's fp32 gradients are not needed past this point
+        # the last step's fp32 gradients are not needed past this point
+        self._masters.release_stepped(drop_module_grads=self._automatic)
         with self.forward_context():
             yield
 
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        finite = torch.isfinite(tensor.detach()).all()
-        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        self._backward_scale = self.loss_scale
         self._drop_pending()  # new gradients arrive: anything unscaled before is stale
-        if self.scaler is not None:
-            tensor = tensor * self._backward_scale
-        return super().pre_backward(tensor, module)
+        self._masters.release_stepped(drop_module_grads=False)
+        return super().pre_backward(self._policy.scale_loss(tensor), module)
 
     # ------------------------------------------------------------------ optimizer step
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale ``optimizer``'s gradients into the fp32 masters (at most once per step)."""
-        if optimizer in self._pending:
-            return
-        self._adopt(optimizer)
-        self._pending[optimizer] = self._masters.prepare(optimizer, self.backward_scale)
+        """Unscale ``optimizer``'s gradients into the fp32 masters and decide its step (once per step).
+
+        Lightning calls it before clipping; it is public so that manual optimization can inspect true gradients
+        before ``opt.step()``. ``optimizer`` may be Lightning's ``LightningOptimizer`` wrapper.
+        """
+        self._decide(_unwrap(optimizer))
 
     def clip_gradients(
         self,
@@ -268,8 +263,9 @@ class MPTPrecision(Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
+        optimizer = _unwrap(optimizer)
         if clip_val > 0:
-            self.unscale_gradients(optimizer)  # clip true gradients, never scaled ones
+            self._decide(optimizer)  # clip true gradients, never scaled ones
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def optimizer_step(  # type: ignore[override]
@@ -279,139 +275,94 @@ class MPTPrecision(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        if self.scaler is None:
+        optimizer = _unwrap(optimizer)
+        automatic = getattr(model, "automatic_optimization", False)
+        if self.scaler is None and (automatic or isinstance(optimizer, LBFGS)):
             # as Lightning without a scaler: the optimizer runs the closure (LBFGS re-evaluates it)
-            return _MasterStep(self, optimizer, closure, partial(self._after_closure, model, optimizer))(**kwargs)
-        # as Lightning's MixedPrecision with a scaler: run the closure, unscale, hooks and clipping, then step
-        _check_optimizer(optimizer)
+            return _StepInClosure(self, optimizer, model, closure)(**kwargs)
+        # as Lightning's MixedPrecision with a scaler: run the closure, decide, hooks and clipping, then step or skip
+        if self.scaler is not None:
+            _check_optimizer(optimizer)
         closure_result = closure()
-        # a training_step that returned None skipped backward: nothing to step
-        skip = closure_result is None and getattr(model, "automatic_optimization", False)
-        if not skip:
-            self.unscale_gradients(optimizer)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step and clipping see unscaled gradients
-        if skip:
-            return closure_result
-        return _MasterStep(self, optimizer, lambda: closure_result)(**kwargs)
+        if closure_result is None and automatic:  # training_step returned None: no backward, nothing to step
+            _compat.after_closure(self, model, optimizer)
+            return None
+        pending = self._decide(optimizer)
+        _compat.after_closure(self, model, optimizer)  # on_before_optimizer_step and clipping see unscaled gradients
+        self._pending.pop(optimizer, None)
+        if pending.skipped:
+            _compat.mark_optimizer_stepped(optimizer)
+            self._skip(optimizer, pending)
+            return None
+        return self._step(optimizer, pending, lambda: closure_result, **kwargs)
 
-    def _after_closure(self, model: Union[pl.LightningModule, Module], optimizer: Optimizer) -> None:
-        """Lightning's order, with the masters swapped in between ``on_before_optimizer_step`` (which sees the
-        half parameters holding unscaled gradients) and clipping (which acts on the fp32 gradients that get
-        stepped, as under ``"16-mixed"``)."""
-        trainer = model.trainer
-        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
-        prepared = self._pending.get(optimizer)
-        if prepared is not None and not prepared.entered:
-            # a user's configure_gradient_clipping may walk self.parameters(): show it the fp32 gradients stepped
-            show = isinstance(model, pl.LightningModule) and is_overridden("configure_gradient_clipping", model)
-            self._masters.enter(optimizer, prepared, show_on_module=show)
-        self._clip_gradients(
-            model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
-        )
+    def _decide(self, optimizer: Optimizer) -> _Pending:
+        """Unscale ``optimizer``'s gradients and decide its step: the step's one host sync (reused until the step)."""
+        pending = self._pending.get(optimizer)
+        if pending is not None:
+            return pending
+        self._adopt(optimizer)
+        scale = self.backward_scale
+        prepared = self._masters.prepare(optimizer, scale)
+        skipped, loss_finite, edited = self._policy.sync(prepared.found_inf, prepared.edited)
+        names = self._masters.adopt_edits(prepared, edited)
+        if names:
+            self._report_edits(names)
+        pending = _Pending(prepared, skipped, loss_finite, scale)
+        if skipped:
+            pending.culprits = prepared.nonfinite_mask()  # now, before hooks or clipping touch the gradients
+        self._pending[optimizer] = pending
+        return pending
 
-    def _decide(self, optimizer: Optimizer) -> PreparedGrads:
-        """Take the step's prepared gradients and decide, with the one host sync, whether to skip the step.
+    def _step(self, optimizer: Optimizer, pending: _Pending, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        prepared = pending.prepared
+        self._masters.enter(optimizer, prepared)
+        stepped = False
+        try:
+            output = optimizer.step(closure=closure, **kwargs)
+            stepped = True
+        finally:
+            self._masters.exit(optimizer, prepared, stepped=stepped)
+        index = self._adopt(optimizer)
+        self._policy.record(False, pending.loss_finite, index, pending.scale)
+        self._policy.stepped(index)
+        return output
 
-        Raises :class:`_SkippedStep` for a skipped step, :class:`NonFiniteGradientError` when the guard trips.
-        """
-        prepared = self._pending.pop(optimizer)
-        found_inf, loss_finite = self._sync_flags(prepared.found_inf)
-        record = StepRecord(step=self._steps, scale=self.backward_scale, skipped=found_inf, loss_finite=loss_finite)
-        self._steps += 1
-        self.history.append(record)
-        self.last_step_skipped = found_inf
-        if not found_inf:
-            self._masters.sync_edits(prepared)  # clipping hooks may have edited half gradients (torch < 2.13)
-            return prepared
-        record._names = [self._masters.name_of(p) for p in prepared.all_params()]
-        record._mask = prepared.nonfinite_mask()
+    def _skip(self, optimizer: Optimizer, pending: _Pending) -> None:
+        """Carry out a skipped step: nothing moves, the gradients are dropped, the scale backs off, the guard looks."""
+        prepared = pending.prepared
         if prepared.entered:
             self._masters.exit(optimizer, prepared, stepped=False)
-        MasterWeights.release(prepared, clear_grads=True)
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
-        at_floor = self.scaler is not None and not self.scaler.is_static and record.scale <= self.scaler.min_scale
-        if self.scaler is not None:
-            self.scaler.update(True)
-        if at_floor or self._consecutive_skips >= self.max_consecutive_skips:
-            raise NonFiniteGradientError(self._guard_message(record, at_floor))
-        raise _SkippedStep
-
-    def _stepped(self) -> None:
-        self._consecutive_skips = 0
-        if self.scaler is not None:
-            self.scaler.update(False)
-
-    def _sync_flags(self, found_inf: Optional[Tensor]) -> tuple[bool, bool]:
-        """The step's one host sync: whether any gradient (on any rank) was non-finite, and whether every loss
-        backpropagated since the last step was finite."""
-        loss_finite, self._loss_finite = self._loss_finite, None
-        if found_inf is None and loss_finite is None:
-            return False, True
-        device = (found_inf if found_inf is not None else loss_finite).device  # type: ignore[union-attr]
-        zero = torch.zeros((), device=device)
-        flags = torch.stack(
-            [
-                zero if found_inf is None else found_inf.float(),
-                zero if loss_finite is None else (~loss_finite).float().to(device),
-            ]
-        )
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # every rank takes the same decision
-        inf, loss_bad = flags.tolist()
-        return inf > 0, loss_bad == 0
+        record = self._policy.record(True, pending.loss_finite, self._adopt(optimizer), pending.scale)
+        record.blame([self._masters.name_of(p) for p in prepared.all_params()], pending.culprits)
+        self._masters.discard(prepared)
+        self._policy.check_guard(record)
 
     def _drop_pending(self) -> None:
-        for optimizer, prepared in self._pending.items():
-            if prepared.entered:
-                self._masters.exit(optimizer, prepared, stepped=False)
-            MasterWeights.release(prepared, clear_grads=False)
+        for optimizer, pending in self._pending.items():
+            if pending.prepared.entered:
+                self._masters.exit(optimizer, pending.prepared, stepped=False)
         self._pending.clear()
 
-    def _guard_message(self, record: StepRecord, at_floor: bool) -> str:
-        names = record.nonfinite_params
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        recent = list(self.history)[-12:]
-        trail = ", ".join(f"{r.scale:g}{'*' if r.skipped else ''}" for r in recent)
-        why = (
-            f"an overflow happened at the minimum loss scale ({record.scale:g})"
-            if at_floor
-            else f"{self._consecutive_skips} optimizer steps in a row were skipped"
-        )
-        return (
-            f"MPTPrecision stopped training: {why} because of non-finite gradients.\n"
-            f"  step {record.step}: parameters with non-finite gradients: {shown or '(none found)'}\n"
-            f"  the loss itself was {'finite' if record.loss_finite else 'NON-FINITE (inf/NaN in the forward pass)'}\n"
-            f"  recent loss scales (* = skipped): {trail}\n"
-            "  hint: lower the learning rate, clip gradients (Trainer(gradient_clip_val=...)), check the data and the "
-            "loss for inf/NaN, or use MPTPrecision('bf16'), whose range does not overflow."
-        )
+    def _report_edits(self, names: list[str]) -> None:
+        new = [n for n in names if n not in self._reported_edits]
+        if new:
+            self._reported_edits.update(new)
+            rank_zero_info(
+                f"MPTPrecision: the half-precision weights of {', '.join(new)} were edited in place outside the "
+                "optimizer step (a clamp, a renormalisation, a weight average); the edits were copied into the fp32 "
+                "masters, rounded to the half format. To edit at full precision, edit "
+                "`trainer.precision_plugin.master_of(param)` instead."
+            )
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "precision": self.precision,
-            "master_weights": self.master_weights,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self._consecutive_skips,
-            "steps": self._steps,
-        }
+        return {"precision": self.precision, "master_weights": self.master_weights, **self._policy.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        scaler_state = state_dict.get("scaler")
-        if self.scaler is not None and scaler_state is not None:
-            self.scaler.load_state_dict(scaler_state)
-        elif (self.scaler is None) != (scaler_state is None):
-            rank_zero_warn(
-                f"MPTPrecision: the checkpoint was saved {'with' if scaler_state else 'without'} a loss scaler and this "
-                f"plugin has {'none' if self.scaler is None else 'one'}; the scaler state is not restored."
-            )
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self._consecutive_skips = int(state_dict.get("consecutive_skips", 0))
-        self._steps = int(state_dict.get("steps", 0))
-        self._backward_scale = self.loss_scale
+        warning = self._policy.load_state_dict(state_dict)
+        if warning:
+            rank_zero_warn(f"MPTPrecision: {warning}")
 
     def __repr__(self) -> str:
         name = "fp16" if self._dtype == torch.float16 else "bf16"
@@ -422,34 +373,40 @@ class _SkippedStep(Exception):
     """Raised inside the optimizer's closure to leave ``optimizer.step()`` before it changes anything."""
 
 
-class _MasterStep:
-    """One optimizer step on the masters. The optimizer calls :meth:`closure` first thing in ``step()``; there the
-    step is decided and, unless skipped, the optimizer holds the masters for the update that follows."""
+class _StepInClosure:
+    """One optimizer step whose closure the optimizer runs (no scaler: bf16's automatic optimization, LBFGS).
+
+    The optimizer calls :meth:`closure` first thing in ``step()``: the closure computes the gradients, the step is
+    decided there, and unless it is skipped the optimizer holds the masters for the update that follows. A skip
+    leaves ``step()`` through an exception, before the optimizer has changed anything.
+    """
 
     def __init__(
-        self,
-        plugin: MPTPrecision,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        after: Optional[Callable[[], None]] = None,
+        self, plugin: MPTPrecision, optimizer: Optimizer, model: Union[pl.LightningModule, Module], closure: Callable
     ) -> None:
-        self.plugin, self.optimizer, self.user_closure, self.after = plugin, optimizer, closure, after
-        self.prepared: Optional[PreparedGrads] = None
+        self.plugin, self.optimizer, self.model, self.user_closure = plugin, optimizer, model, closure
+        self.pending: Optional[_Pending] = None
 
     def closure(self) -> Any:
         plugin, masters, optimizer = self.plugin, self.plugin._masters, self.optimizer
-        if self.prepared is not None:  # re-evaluation inside the step (LBFGS): the forward must see the masters
-            masters.exit(optimizer, self.prepared, stepped=False)
+        if self.pending is not None:  # re-evaluation inside the step (LBFGS): the forward must see the masters
+            masters.exit(optimizer, self.pending.prepared, stepped=False)
         result = self.user_closure()
-        plugin.unscale_gradients(optimizer)
-        if self.after is not None:
-            self.after()  # hooks, masters in, clipping
-        if self.prepared is None:
-            self.prepared = plugin._decide(optimizer)
-        else:
-            self.prepared = plugin._pending.pop(optimizer)
-        if not self.prepared.entered:
-            masters.enter(optimizer, self.prepared, show_on_module=False)
+        if result is None and getattr(self.model, "automatic_optimization", False):
+            _compat.after_closure(plugin, self.model, optimizer)  # no backward ran: nothing to step
+            return result
+        if self.pending is None:
+            self.pending = plugin._decide(optimizer)
+        else:  # later evaluations are not decided again (no sync inside the line search)
+            prepared = masters.prepare(optimizer, plugin.backward_scale, check_edits=False)
+            self.pending = _Pending(prepared, False, True, plugin.backward_scale)
+            plugin._pending[optimizer] = self.pending
+        _compat.after_closure(plugin, self.model, optimizer)
+        plugin._pending.pop(optimizer, None)
+        if self.pending.skipped:
+            plugin._skip(optimizer, self.pending)
+            raise _SkippedStep
+        masters.enter(optimizer, self.pending.prepared)
         return result
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -460,11 +417,52 @@ class _MasterStep:
         except _SkippedStep:
             return None
         finally:
-            if self.prepared is not None and self.prepared.entered:
-                self.plugin._masters.exit(self.optimizer, self.prepared, stepped=stepped)
-        if self.prepared is not None:
-            self.plugin._stepped()
+            if self.pending is not None and self.pending.prepared.entered:
+                self.plugin._masters.exit(self.optimizer, self.pending.prepared, stepped=stepped)
+        if self.pending is not None:
+            index = self.plugin._adopt(self.optimizer)
+            self.plugin._policy.record(False, self.pending.loss_finite, index, self.pending.scale)
+            self.plugin._policy.stepped(index)
         return output
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (``self.optimizers()``)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _check_arguments(
+    precision: Any, scaler: Any, master_weights: Any, keep_fp32: Any, max_consecutive_skips: Any
+) -> tuple[torch.dtype, Optional[DynamicLossScaler], tuple[type[Module], ...]]:
+    """Validate ``MPTPrecision``'s arguments; every error says what was wrong and what is accepted."""
+    if precision not in _DTYPES:
+        raise ValueError(f"MPTPrecision(precision={precision!r}): precision must be one of 'fp16', 'bf16'.")
+    if scaler is None:
+        scaler = DynamicLossScaler() if precision == "fp16" else None
+    elif isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
+        if not (math.isfinite(scaler) and scaler > 0):
+            raise ValueError(f"MPTPrecision(scaler={scaler!r}): a static scale must be a finite number > 0.")
+        scaler = DynamicLossScaler.static(float(scaler))
+    elif not isinstance(scaler, DynamicLossScaler):
+        raise TypeError(
+            f"MPTPrecision(scaler={scaler!r}): expected None, a DynamicLossScaler or a number (a static scale)."
+        )
+    if not isinstance(master_weights, bool):
+        raise TypeError(f"MPTPrecision(master_weights={master_weights!r}): expected a bool (True or False).")
+    if isinstance(keep_fp32, type):
+        keep_fp32 = (keep_fp32,)
+    if not isinstance(keep_fp32, (tuple, list)) or not all(
+        isinstance(k, type) and issubclass(k, Module) for k in keep_fp32
+    ):
+        raise TypeError(
+            f"MPTPrecision(keep_fp32={keep_fp32!r}): expected a torch.nn.Module subclass or a tuple of them, "
+            "e.g. keep_fp32=(torch.nn.LayerNorm, torch.nn.BatchNorm2d)."
+        )
+    if not (
+        isinstance(max_consecutive_skips, int) and not isinstance(max_consecutive_skips, bool) and max_consecutive_skips >= 1
+    ):
+        raise ValueError(f"MPTPrecision(max_consecutive_skips={max_consecutive_skips!r}): expected an int >= 1.")
+    return _DTYPES[precision], scaler, tuple(keep_fp32)
 
 
 def _check_optimizer(optimizer: Optimizer) -> None:
@@ -474,6 +472,53 @@ def _check_optimizer(optimizer: Optimizer) -> None:
             "step(), where scaled gradients cannot be checked and unscaled (as with Lightning's '16-mixed'). Use "
             "MPTPrecision('bf16') (no scaler), a first-order optimizer (SGD, Adam, AdamW, ...), or '32-true'."
         )
+
+
+def _adapt_weight_averaging(callbacks: list[Any], masters: MasterWeights) -> list[Any]:
+    """Make Lightning's ``StochasticWeightAveraging`` average the fp32 masters and write its result into them.
+
+    SWA reads and writes the module's parameters through two public static methods; on this callback instance they
+    are given the masters instead (removed again at teardown), so the averaged weights are exact fp32, not rounded to
+    the half format. Subclasses that override those methods are left alone, with a warning.
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    adapted = []
+    for callback in callbacks:
+        if not isinstance(callback, StochasticWeightAveraging):
+            continue
+        cls = type(callback)
+        if (
+            cls.update_parameters is not StochasticWeightAveraging.update_parameters
+            or cls.transfer_weights is not StochasticWeightAveraging.transfer_weights
+        ):
+            rank_zero_warn(
+                f"MPTPrecision: {cls.__name__} overrides update_parameters/transfer_weights, so it averages the "
+                "half-precision weights; average `trainer.precision_plugin.master_of(p)` for fp32 accuracy."
+            )
+            continue
+
+        def update_parameters(average_model: Module, model: Module, n_averaged: Tensor, avg_fn: Callable) -> None:
+            StochasticWeightAveraging.update_parameters(average_model, _MasterView(model, masters), n_averaged, avg_fn)
+
+        def transfer_weights(src_pl_module: Module, dst_pl_module: Module) -> None:
+            StochasticWeightAveraging.transfer_weights(src_pl_module, _MasterView(dst_pl_module, masters))
+            masters.refresh()
+
+        callback.update_parameters = update_parameters
+        callback.transfer_weights = transfer_weights
+        adapted.append(callback)
+    return adapted
+
+
+class _MasterView:
+    """What weight-averaging code reads as ``module.parameters()``: the fp32 masters, in the module's order."""
+
+    def __init__(self, module: Module, masters: MasterWeights) -> None:
+        self.module, self.masters = module, masters
+
+    def parameters(self) -> Iterator[Tensor]:
+        return iter(self.masters.main_params(self.module.parameters()))
 
 
 def check_strategy(strategy: Any) -> None:

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
@@ -133,23 +133,35 @@ class TinyTransformer(L.LightningModule):
 
 
 class InjectInf(L.Callback):
-    """Writes an inf into one parameter's stored gradient after the backward of chosen batches or steps.
+    """Writes a non-finite value into one parameter's stored gradient after the backward of chosen batches or steps.
 
     ``batches`` are batch indices within the epoch; ``steps`` are optimizer-step indices (``trainer.global_step``
-    during the step); ``rank`` limits the injection to one process.
+    during the step); either may be a set (the value written is ``value``, inf by default) or a dict mapping each
+    index to the value to write there. ``rank`` limits the injection to one process.
     """
 
     def __init__(
-        self, param_name: str, batches: Optional[set[int]] = None, steps: Optional[set[int]] = None, rank: Optional[int] = None
+        self,
+        param_name: str,
+        batches: Optional[Union[set[int], dict[int, float]]] = None,
+        steps: Optional[Union[set[int], dict[int, float]]] = None,
+        rank: Optional[int] = None,
+        value: float = math.inf,
     ) -> None:
-        self.param_name, self.batches, self.steps, self.rank = param_name, batches or set(), steps or set(), rank
+        self.param_name, self.rank = param_name, rank
+        self.batches = batches if isinstance(batches, dict) else dict.fromkeys(batches or (), value)
+        self.steps = steps if isinstance(steps, dict) else dict.fromkeys(steps or (), value)
+        self.injected: list[int] = []  # batch indices where a value was written
 
     def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if self.rank is not None and trainer.global_rank != self.rank:
             return
-        if trainer.fit_loop.epoch_loop.batch_idx in self.batches or trainer.global_step in self.steps:
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        value = self.batches.get(batch_idx, self.steps.get(trainer.global_step))
+        if value is not None:
             grad = dict(module.named_parameters())[self.param_name].grad
-            grad.view(-1)[0] = math.inf
+            grad.view(-1)[0] = value
+            self.injected.append(batch_idx)
 
 
 def free_port() -> int:

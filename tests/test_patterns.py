@@ -1,0 +1,513 @@
+"""Lightning training patterns that real projects use, each checked against an independent reference (a
+"32-true" run, a hand computation, torch itself): manual optimization through ``self.optimizers()``, several
+steps per batch, tied weights, several optimizers, optimizers that ignore the closure, optimizer state built at
+construction, clipping with a non-finite norm, modules autocast does not cover, weights edited in place, bad
+arguments. Every test here failed before the fix it guards (issue 10)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from models import InjectInf, TinyMLP, quiet_trainer, regression_data
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mpt import DynamicLossScaler, MPTPrecision, NonFiniteGradientError
+
+PRECISIONS = ["fp16", "bf16"]
+
+
+def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in module.named_parameters()}
+
+
+def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((after[n] - before[n]).double().pow(2).sum()) for n in before))
+
+
+# ------------------------------------------------------------------------ 1. manual optimization, documented wrapper
+
+
+class ManualClip(L.LightningModule):
+    """The manual-optimization recipe of Lightning's docs: ``self.optimizers()``, ``manual_backward``,
+    ``clip_gradients`` on the wrapper, ``opt.step()``."""
+
+    def __init__(self, clip: float, algorithm: str) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.clip, self.algorithm = clip, algorithm
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm=self.algorithm)
+        opt.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_manual_clip_gradients_through_the_wrapper_clips_the_step(precision, algorithm):
+    def run(clip: float, **kwargs: Any) -> float:
+        torch.manual_seed(0)
+        model = ManualClip(clip, algorithm)
+        start = snapshot(model)
+        quiet_trainer(max_steps=3, **kwargs).fit(model, regression_data(n=48))
+        return moved(start, snapshot(model))
+
+    ref = run(1e-3, precision="32-true")
+    got = run(1e-3, plugins=[MPTPrecision(precision)])
+    assert ref < run(0.0, precision="32-true") / 10  # clipping acts in the reference
+    if algorithm == "norm":
+        assert ref <= 3 * 0.1 * 1e-3 * (1 + 1e-3)  # SGD steps of at most lr * clip each
+    assert got == pytest.approx(ref, rel=2e-2)
+
+
+def test_state_keyed_by_optimizer_accepts_the_wrapper():
+    """``main_params``/``unscale_gradients`` with ``LightningOptimizer`` mean the raw optimizer."""
+    seen: dict[str, Any] = {}
+
+    class Look(ManualClip):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            plugin = self.trainer.precision_plugin
+            seen["same"] = [a is b for a, b in zip(plugin.main_params(opt), plugin.main_params(opt.optimizer))]
+            super().training_step(batch, batch_idx)
+
+    quiet_trainer(max_steps=1, plugins=[MPTPrecision("fp16")]).fit(Look(1.0, "norm"), regression_data())
+    assert seen["same"] and all(seen["same"])
+
+
+# ------------------------------------------------------------------------ 2. two steps in one training_step
+
+
+class TwoSteps(L.LightningModule):
+    """Two ``opt.step()`` in one ``training_step``; the second loss does not reach ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (x,) = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward((self.a(x) + self.b(x)).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        self.manual_backward(self.a(x).float().pow(2).mean())
+        opt.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_second_step_leaves_parameters_without_gradients_alone(precision):
+    data = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=8)
+
+    def run(**kwargs: Any) -> tuple[dict, dict]:
+        torch.manual_seed(0)
+        model = TwoSteps()
+        start = snapshot(model)
+        quiet_trainer(max_steps=8, **kwargs).fit(model, data)
+        return start, snapshot(model)
+
+    start, ref = run(precision="32-true")
+    _, got = run(plugins=[MPTPrecision(precision)])
+    b_ref = moved({k: start[k] for k in ("b.weight", "b.bias")}, ref)
+    b_got = moved({k: start[k] for k in ("b.weight", "b.bias")}, got)
+    assert b_got == pytest.approx(b_ref, rel=2e-2)  # stepped again with a stale gradient it would move twice as far
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=0, atol=2e-2)
+
+
+# ------------------------------------------------------------------------ 3. tied weights
+
+
+class TiedLM(L.LightningModule):
+    """A language model whose output head shares the embedding matrix (GPT-2's ``lm_head.weight is wte.weight``)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.relu(self.mix(self.emb(x)))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        plugin = self.trainer.precision_plugin
+        self.seen.append({"state": {k: v.clone() for k, v in self.state_dict().items()}, "master": plugin.master_of(self.emb.weight).detach().clone()})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def lm_data(n: int = 48, seq: int = 6, vocab: int = 32) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (n, seq), generator=g)
+    return DataLoader(TensorDataset(x, torch.roll(x, 1, dims=1)), batch_size=8)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_tied_weights_save_reload_and_resume(tmp_path, precision):
+    torch.manual_seed(0)
+    model = TiedLM()
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1)
+    quiet_trainer(max_epochs=2, plugins=[MPTPrecision(precision)], callbacks=[ckpt], enable_checkpointing=True).fit(
+        model, lm_data()
+    )
+    # during the stage, every state_dict name of the shared weight holds the master
+    for seen in model.seen:
+        for key in ("emb.weight", "head.weight"):
+            assert seen["state"][key].dtype == torch.float32
+            assert torch.equal(seen["state"][key], seen["master"]), key
+    # the checkpoint written during fit loads into a plain fp32 model with nothing lost
+    saved = torch.load(tmp_path / "epoch=0-step=6.ckpt", weights_only=False)["state_dict"]
+    assert torch.equal(saved["emb.weight"], saved["head.weight"]) and saved["emb.weight"].dtype == torch.float32
+    assert torch.equal(saved["emb.weight"], model.seen[5]["master"])
+    plain = TiedLM()
+    plain.load_state_dict(saved)
+    assert plain.head.weight is plain.emb.weight and torch.equal(plain.emb.weight, model.seen[5]["master"])
+    # resume from the first epoch's checkpoint: bitwise equal to the uninterrupted run
+    torch.manual_seed(0)
+    resumed = TiedLM()
+    quiet_trainer(max_epochs=2, plugins=[MPTPrecision(precision)]).fit(
+        resumed, lm_data(), ckpt_path=tmp_path / "epoch=0-step=6.ckpt"
+    )
+    for (n, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert a.dtype == torch.float32 and torch.equal(a, b), n
+
+
+# ------------------------------------------------------------------------ 4. guard, several optimizers
+
+
+class TwoOptimizers(L.LightningModule):
+    """Optimizer ``a`` sees NaN gradients at every step, optimizer ``b`` never does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.steps_a = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (x,) = batch
+        opt_a, opt_b = self.optimizers()
+        opt_a.zero_grad()
+        self.manual_backward(self.a(x).float().sum() * math.nan)
+        self.steps_a += 1
+        opt_a.step()
+        opt_b.zero_grad()
+        self.manual_backward(self.b(x).float().pow(2).mean())
+        opt_b.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_guard_counts_consecutive_skips_per_optimizer(precision):
+    model = TwoOptimizers()
+    plugin = MPTPrecision(precision, scaler=8.0 if precision == "fp16" else None, max_consecutive_skips=4)
+    with pytest.raises(NonFiniteGradientError, match="4 optimizer steps in a row were skipped") as err:
+        quiet_trainer(max_steps=100, plugins=[plugin]).fit(model, DataLoader(TensorDataset(torch.randn(400, 4))))
+    assert model.steps_a == 4
+    assert "a.weight" in str(err.value) and "b.weight" not in str(err.value)
+
+
+# ------------------------------------------------------------------------ 5. optimizers that ignore the closure
+
+
+class PlainSGD(torch.optim.Optimizer):
+    """A custom optimizer, as found in many projects, whose ``step`` never calls the closure."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # noqa: ARG002  (the closure is ignored on purpose)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+class CustomOptimizerMLP(L.LightningModule):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = not manual
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return PlainSGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize(
+    ("precision", "manual"), [("fp16", False), ("fp16", True), ("bf16", True)], ids=["fp16", "fp16-manual", "bf16-manual"]
+)
+def test_an_optimizer_that_ignores_the_closure_never_applies_a_non_finite_update(precision, manual):
+    def run(**kwargs: Any) -> tuple[L.LightningModule, list[dict]]:
+        torch.manual_seed(0)
+        model = CustomOptimizerMLP(manual)
+        states: list[dict] = []
+
+        class Watch(L.Callback):
+            def on_train_batch_end(self, trainer, module, *args):
+                states.append(snapshot(module))
+
+        quiet_trainer(max_steps=5, callbacks=[Watch(), *kwargs.pop("callbacks", [])], **kwargs).fit(
+            model, regression_data(n=80)
+        )
+        return model, states
+
+    plugin = MPTPrecision(precision)
+    model, states = run(plugins=[plugin], callbacks=[InjectInf("net.2.weight", {2})])
+    assert [r.skipped for r in plugin.history] == [False, False, True, False, False]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.equal(states[1][n], states[2][n]) for n in states[1])  # the skipped step changed nothing
+    # and the steps taken are the custom optimizer's: within half rounding of "32-true" (which steps 4 of 5 too)
+    assert moved(states[0], states[-1]) > 0
+
+
+def test_bf16_automatic_optimization_with_an_optimizer_that_ignores_the_closure_fails_as_in_lightning():
+    """The optimizer never runs the closure, so nothing computes gradients: Lightning says so, under "32-true" as
+    under MPTPrecision, and no weight becomes non-finite."""
+    for kwargs in ({"precision": "32-true"}, {"plugins": [MPTPrecision("bf16")]}):
+        model = CustomOptimizerMLP()
+        with pytest.raises(Exception, match="closure hasn't been executed"):
+            quiet_trainer(max_steps=2, **kwargs).fit(model, regression_data())
+        assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------ 6. optimizer state built at construction
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_state_an_optimizer_builds_at_construction_is_exact_fp32(precision):
+    seen: dict[str, Any] = {}
+
+    class WithAdagrad(CustomOptimizerMLP):
+        def configure_optimizers(self):
+            return torch.optim.Adagrad(self.parameters(), lr=0.01, initial_accumulator_value=0.1)
+
+        def on_train_start(self):
+            opt = self.trainer.optimizers[0]
+            seen["sums"] = [opt.state[p]["sum"].clone() for p in self.parameters()]
+
+    quiet_trainer(max_steps=1, plugins=[MPTPrecision(precision)]).fit(WithAdagrad(), regression_data())
+    for s in seen["sums"]:
+        assert s.dtype == torch.float32 and torch.equal(s, torch.full_like(s, 0.1))
+
+
+# ------------------------------------------------------------------------ 7. culprits come from unclipped gradients
+
+
+def test_guard_culprits_come_from_the_gradients_before_clipping():
+    """A NaN gradient makes the total norm NaN, and norm clipping multiplies every gradient by NaN: the culprit is
+    still the one parameter whose gradient was NaN before clipping."""
+    plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=4.0, min_scale=2.0))
+    with pytest.raises(NonFiniteGradientError) as err:
+        quiet_trainer(
+            max_steps=4, plugins=[plugin], gradient_clip_val=1.0, callbacks=[InjectInf("net.3.bias", {0, 1}, value=math.nan)]
+        ).fit(TinyMLP(), regression_data())
+    assert "parameters with non-finite gradients: net.3.bias\n" in str(err.value)
+    assert [r.nonfinite_params for r in plugin.history] == [["net.3.bias"], ["net.3.bias"]]
+
+
+# ------------------------------------------------------------------------ 8. modules autocast does not cover
+
+
+class BagModel(L.LightningModule):
+    """``nn.EmbeddingBag`` with per-sample weights, and an LSTM called with keyword inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 8, mode="sum")
+        self.rnn = nn.GRU(8, 8, batch_first=True)
+        self.out = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, w = batch
+        pooled = self.bag(idx, per_sample_weights=w)
+        h0 = torch.zeros(1, idx.shape[0], 8)
+        seq, _ = self.rnn(input=pooled.unsqueeze(1).repeat(1, 3, 1), hx=h0)
+        return self.out(seq).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_embedding_bag_per_sample_weights_and_keyword_inputs(precision):
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randint(0, 20, (16, 5), generator=g), torch.rand(16, 5, generator=g)), batch_size=4)
+    model = BagModel()
+    before = snapshot(model)
+    plugin = MPTPrecision(precision, scaler=1024.0 if precision == "fp16" else None)
+    quiet_trainer(max_steps=3, plugins=[plugin]).fit(model, data)
+    assert plugin.skipped_steps == 0
+    after = snapshot(model)
+    assert all(not torch.equal(before[n], after[n]) for n in ("bag.weight", "rnn.weight_ih_l0", "out.weight"))
+
+
+# ------------------------------------------------------------------------ 9. weights edited in place
+
+
+class WGANCritic(L.LightningModule):
+    """A critic whose weights are clamped after every step, as WGAN does (``p.data.clamp_``)."""
+
+    def __init__(self, clamp: float = 0.02) -> None:
+        super().__init__()
+        self.clamp = clamp
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return -self.net(x).float().mean() + self.net(x.flip(0) * 2).float().mean()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        for p in self.net.parameters():
+            p.data.clamp_(-self.clamp, self.clamp)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_weight_clamping_in_a_hook_reaches_the_masters(precision):
+    data = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8)
+
+    def run(**kwargs: Any) -> dict:
+        torch.manual_seed(0)
+        model = WGANCritic()
+        quiet_trainer(max_steps=8, **kwargs).fit(model, data)
+        return snapshot(model)
+
+    ref = run(precision="32-true")
+    got = run(plugins=[MPTPrecision(precision, scaler=256.0 if precision == "fp16" else None)])  # no skipped step
+    eps = 2.0**-10 if precision == "fp16" else 2.0**-7
+    for n in ref:
+        assert got[n].abs().max() <= 0.02 * (1 + eps)  # the clamp held after fit (0.02 rounded to the half format)
+        torch.testing.assert_close(got[n], ref[n], rtol=0, atol=4 * eps * 0.02)
+
+
+class MaxNormEmbedding(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8, max_norm=1.0)
+        self.out = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (idx,) = batch
+        return self.out(self.emb(idx)).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_embedding_max_norm_renormalisation_reaches_the_masters(precision):
+    data = DataLoader(TensorDataset(torch.randint(0, 16, (64, 4), generator=torch.Generator().manual_seed(0))), batch_size=8)
+
+    def run(**kwargs: Any) -> dict:
+        torch.manual_seed(0)
+        model = MaxNormEmbedding()
+        with torch.no_grad():
+            model.emb.weight.mul_(4)  # rows well above max_norm: the forward renormalises them in place
+        quiet_trainer(max_steps=8, **kwargs).fit(model, data)
+        return snapshot(model)
+
+    ref = run(precision="32-true")
+    got = run(plugins=[MPTPrecision(precision)])
+    eps = 2.0**-10 if precision == "fp16" else 2.0**-7
+    torch.testing.assert_close(got["emb.weight"], ref["emb.weight"], rtol=8 * eps, atol=8 * eps)
+
+
+def test_stochastic_weight_averaging_is_accurate_to_fp32():
+    """Lightning's SWA averages the fp32 masters and its result lands in the module exactly (not rounded)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    data = regression_data(n=64)
+    masters_per_epoch: list[list[torch.Tensor]] = []
+
+    class Record(L.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            plugin = trainer.precision_plugin
+            masters_per_epoch.append([plugin.master_of(p).detach().clone() for p in module.parameters()])
+
+    torch.manual_seed(0)
+    model = TinyMLP(optimizer="sgd", lr=0.05)
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)
+    quiet_trainer(max_epochs=5, plugins=[MPTPrecision("fp16")], callbacks=[Record(), swa]).fit(model, data)
+    # SWA averages the weights at the start of epochs swa_start..4 (the fp32 masters there), in fp32
+    assert swa.n_averaged == 5 - swa.swa_start > 1
+    kept = masters_per_epoch[swa.swa_start :]
+    expected = [torch.stack([epoch[i] for epoch in kept]) for i in range(len(kept[0]))]
+    for p, stack in zip(model.parameters(), expected):
+        ref = stack[0].clone()
+        for k in range(1, stack.shape[0]):
+            ref = ref + (stack[k] - ref) / (k + 1)
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p.detach(), ref, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(p.detach(), p.detach().half().float())  # not rounded to fp16
+
+
+# ------------------------------------------------------------------------ 11. argument checks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"master_weights": "no"}, TypeError, r"master_weights='no'\): expected a bool"),
+        ({"master_weights": 0}, TypeError, r"expected a bool"),
+        ({"max_consecutive_skips": True}, ValueError, r"max_consecutive_skips=True\): expected an int >= 1"),
+        ({"max_consecutive_skips": 2.0}, ValueError, "expected an int >= 1"),
+        ({"keep_fp32": "LayerNorm"}, TypeError, "a torch.nn.Module subclass or a tuple of them"),
+        ({"precision": None}, ValueError, "precision must be one of 'fp16', 'bf16'"),
+    ],
+)
+def test_argument_checks(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        MPTPrecision(**kwargs)
+
+
+def test_keep_fp32_accepts_a_single_class():
+    plugin = MPTPrecision("bf16", keep_fp32=nn.Linear)
+    model = plugin.convert_module(nn.Sequential(nn.Linear(2, 2), nn.Conv1d(2, 2, 1)))
+    assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.bfloat16
+    plugin.teardown()
+    assert plugin.keep_fp32 == (nn.Linear,)
