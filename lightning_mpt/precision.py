@@ -12,7 +12,7 @@ import math
 from collections import deque
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -28,25 +28,15 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mpt import _compat
-from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights, PreparedGrads
-from lightning_mpt.policy import NonFiniteGradientError, StepPolicy, StepRecord
+from lightning_mpt.engine import MixedPrecisionEngine
+from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights
+from lightning_mpt.policy import NonFiniteGradientError, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
 
 __all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strategy"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
-
-
-@dataclass
-class _Pending:
-    """An optimizer step whose gradients are unscaled and whose fate is decided, not yet carried out."""
-
-    prepared: PreparedGrads
-    skipped: bool
-    loss_finite: bool
-    scale: float
-    culprits: Optional[Tensor] = None  # on a skip: per-parameter non-finite flags, taken before any clipping
 
 
 class MPTPrecision(Precision):
@@ -94,10 +84,10 @@ class MPTPrecision(Precision):
         self.keep_fp32 = keep_fp32
         self.max_consecutive_skips = max_consecutive_skips
         self._dtype = dtype
-        self._policy = StepPolicy(scaler, max_consecutive_skips)
-        self._masters = MasterWeights(dtype, keep_fp32, enabled=master_weights)
-        self._pending: dict[Optimizer, _Pending] = {}
-        self._optimizers: dict[Optimizer, list[Any]] = {}  # adopted optimizers (in order) -> their hook handles
+        self._engine = MixedPrecisionEngine(
+            dtype, scaler, master_weights, keep_fp32, max_consecutive_skips, on_edits=self._report_edits
+        )
+        self._policy, self._masters = self._engine.policy, self._engine.masters  # the pieces it delegates to
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._reported_edits: set[str] = set()
         self._swa: list[Any] = []  # StochasticWeightAveraging callbacks adapted to the masters
@@ -195,7 +185,7 @@ class MPTPrecision(Precision):
         for optimizer in optimizers:
             if self.scaler is not None:
                 _check_optimizer(optimizer)
-            self._adopt(optimizer)
+            self._engine.adopt(optimizer)
         first = next(model.parameters(), None)
         if first is not None:
             self.device = first.device.type
@@ -209,22 +199,11 @@ class MPTPrecision(Precision):
         return model, optimizers, lr_schedulers
 
     def teardown(self) -> None:
-        for handles in self._optimizers.values():
-            for h in handles:
-                h.remove()
-        self._optimizers.clear()
         for callback in self._swa:
             for name in ("update_parameters", "transfer_weights"):
                 callback.__dict__.pop(name, None)
         self._swa.clear()
-        self._drop_pending()  # a run that failed inside a step leaves it half done
-        self._masters.restore()
-
-    def _adopt(self, optimizer: Optimizer) -> int:
-        """The index of ``optimizer`` (its position among the optimizers seen), adopting it on first sight."""
-        if optimizer not in self._optimizers:
-            self._optimizers[optimizer] = self._masters.adopt_optimizer(optimizer)
-        return list(self._optimizers).index(optimizer)
+        self._engine.restore()
 
     # ------------------------------------------------------------------ forward and backward
     def autocast_context_manager(self) -> torch.autocast:
@@ -244,9 +223,7 @@ class MPTPrecision(Precision):
             yield
 
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        self._drop_pending()  # new gradients arrive: anything unscaled before is stale
-        self._masters.release_stepped(drop_module_grads=False)
-        return super().pre_backward(self._policy.scale_loss(tensor), module)
+        return super().pre_backward(self._engine.scale_loss(tensor), module)
 
     # ------------------------------------------------------------------ optimizer step
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -255,7 +232,7 @@ class MPTPrecision(Precision):
         Lightning calls it before clipping; it is public so that manual optimization can inspect true gradients
         before ``opt.step()``. ``optimizer`` may be Lightning's ``LightningOptimizer`` wrapper.
         """
-        self._decide(_unwrap(optimizer))
+        self._engine.decide(_unwrap(optimizer))
 
     def clip_gradients(
         self,
@@ -265,7 +242,7 @@ class MPTPrecision(Precision):
     ) -> None:
         optimizer = _unwrap(optimizer)
         if clip_val > 0:
-            self._decide(optimizer)  # clip true gradients, never scaled ones
+            self._engine.decide(optimizer)  # clip true gradients, never scaled ones
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def optimizer_step(  # type: ignore[override]
@@ -277,72 +254,20 @@ class MPTPrecision(Precision):
     ) -> Any:
         optimizer = _unwrap(optimizer)
         automatic = getattr(model, "automatic_optimization", False)
+        after = partial(_compat.after_closure, self, model, optimizer)  # on_before_optimizer_step, then clipping
         if self.scaler is None and (automatic or isinstance(optimizer, LBFGS)):
             # as Lightning without a scaler: the optimizer runs the closure (LBFGS re-evaluates it)
-            return _StepInClosure(self, optimizer, model, closure)(**kwargs)
+            return self._engine.step_in_closure(optimizer, closure, after, **kwargs)
         # as Lightning's MixedPrecision with a scaler: run the closure, decide, hooks and clipping, then step or skip
         if self.scaler is not None:
             _check_optimizer(optimizer)
         closure_result = closure()
         if closure_result is None and automatic:  # training_step returned None: no backward, nothing to step
-            _compat.after_closure(self, model, optimizer)
+            after()
             return None
-        pending = self._decide(optimizer)
-        _compat.after_closure(self, model, optimizer)  # on_before_optimizer_step and clipping see unscaled gradients
-        self._pending.pop(optimizer, None)
-        if pending.skipped:
-            _compat.mark_optimizer_stepped(optimizer)
-            self._skip(optimizer, pending)
-            return None
-        return self._step(optimizer, pending, lambda: closure_result, **kwargs)
-
-    def _decide(self, optimizer: Optimizer) -> _Pending:
-        """Unscale ``optimizer``'s gradients and decide its step: the step's one host sync (reused until the step)."""
-        pending = self._pending.get(optimizer)
-        if pending is not None:
-            return pending
-        self._adopt(optimizer)
-        scale = self.backward_scale
-        prepared = self._masters.prepare(optimizer, scale)
-        skipped, loss_finite, edited = self._policy.sync(prepared.found_inf, prepared.edited)
-        names = self._masters.adopt_edits(prepared, edited)
-        if names:
-            self._report_edits(names)
-        pending = _Pending(prepared, skipped, loss_finite, scale)
-        if skipped:
-            pending.culprits = prepared.nonfinite_mask()  # now, before hooks or clipping touch the gradients
-        self._pending[optimizer] = pending
-        return pending
-
-    def _step(self, optimizer: Optimizer, pending: _Pending, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        prepared = pending.prepared
-        self._masters.enter(optimizer, prepared)
-        stepped = False
-        try:
-            output = optimizer.step(closure=closure, **kwargs)
-            stepped = True
-        finally:
-            self._masters.exit(optimizer, prepared, stepped=stepped)
-        index = self._adopt(optimizer)
-        self._policy.record(False, pending.loss_finite, index, pending.scale)
-        self._policy.stepped(index)
-        return output
-
-    def _skip(self, optimizer: Optimizer, pending: _Pending) -> None:
-        """Carry out a skipped step: nothing moves, the gradients are dropped, the scale backs off, the guard looks."""
-        prepared = pending.prepared
-        if prepared.entered:
-            self._masters.exit(optimizer, prepared, stepped=False)
-        record = self._policy.record(True, pending.loss_finite, self._adopt(optimizer), pending.scale)
-        record.blame([self._masters.name_of(p) for p in prepared.all_params()], pending.culprits)
-        self._masters.discard(prepared)
-        self._policy.check_guard(record)
-
-    def _drop_pending(self) -> None:
-        for optimizer, pending in self._pending.items():
-            if pending.prepared.entered:
-                self._masters.exit(optimizer, pending.prepared, stepped=False)
-        self._pending.clear()
+        pending = self._engine.decide(optimizer)
+        after()  # the hooks and clipping see unscaled gradients
+        return self._engine.finish(optimizer, pending, lambda: closure_result, **kwargs)
 
     def _report_edits(self, names: list[str]) -> None:
         new = [n for n in names if n not in self._reported_edits]
@@ -367,63 +292,6 @@ class MPTPrecision(Precision):
     def __repr__(self) -> str:
         name = "fp16" if self._dtype == torch.float16 else "bf16"
         return f"MPTPrecision({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
-
-
-class _SkippedStep(Exception):
-    """Raised inside the optimizer's closure to leave ``optimizer.step()`` before it changes anything."""
-
-
-class _StepInClosure:
-    """One optimizer step whose closure the optimizer runs (no scaler: bf16's automatic optimization, LBFGS).
-
-    The optimizer calls :meth:`closure` first thing in ``step()``: the closure computes the gradients, the step is
-    decided there, and unless it is skipped the optimizer holds the masters for the update that follows. A skip
-    leaves ``step()`` through an exception, before the optimizer has changed anything.
-    """
-
-    def __init__(
-        self, plugin: MPTPrecision, optimizer: Optimizer, model: Union[pl.LightningModule, Module], closure: Callable
-    ) -> None:
-        self.plugin, self.optimizer, self.model, self.user_closure = plugin, optimizer, model, closure
-        self.pending: Optional[_Pending] = None
-
-    def closure(self) -> Any:
-        plugin, masters, optimizer = self.plugin, self.plugin._masters, self.optimizer
-        if self.pending is not None:  # re-evaluation inside the step (LBFGS): the forward must see the masters
-            masters.exit(optimizer, self.pending.prepared, stepped=False)
-        result = self.user_closure()
-        if result is None and getattr(self.model, "automatic_optimization", False):
-            _compat.after_closure(plugin, self.model, optimizer)  # no backward ran: nothing to step
-            return result
-        if self.pending is None:
-            self.pending = plugin._decide(optimizer)
-        else:  # later evaluations are not decided again (no sync inside the line search)
-            prepared = masters.prepare(optimizer, plugin.backward_scale, check_edits=False)
-            self.pending = _Pending(prepared, False, True, plugin.backward_scale)
-            plugin._pending[optimizer] = self.pending
-        _compat.after_closure(plugin, self.model, optimizer)
-        plugin._pending.pop(optimizer, None)
-        if self.pending.skipped:
-            plugin._skip(optimizer, self.pending)
-            raise _SkippedStep
-        masters.enter(optimizer, self.pending.prepared)
-        return result
-
-    def __call__(self, **kwargs: Any) -> Any:
-        stepped = False
-        try:
-            output = self.optimizer.step(closure=self.closure, **kwargs)
-            stepped = True
-        except _SkippedStep:
-            return None
-        finally:
-            if self.pending is not None and self.pending.prepared.entered:
-                self.plugin._masters.exit(self.optimizer, self.pending.prepared, stepped=stepped)
-        if self.pending is not None:
-            index = self.plugin._adopt(self.optimizer)
-            self.plugin._policy.record(False, self.pending.loss_finite, index, self.pending.scale)
-            self.plugin._policy.stepped(index)
-        return output
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

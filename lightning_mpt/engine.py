@@ -1,0 +1,227 @@
+"""The mixed-precision optimizer step, framework-free: fp32 masters, loss scaling, the skip decision and the guard.
+
+:class:`MixedPrecisionEngine` is what a precision plugin delegates to, whatever runs the loop (Lightning's Trainer,
+Lightning Fabric, a plain torch loop). Per optimizer step:
+
+1. :meth:`~MixedPrecisionEngine.scale_loss` before backward;
+2. :meth:`~MixedPrecisionEngine.decide`: the gradients are copied into fp32 and unscaled (fused kernels), weights
+   edited in place since the last step are adopted by their masters, and the step is decided in one host sync,
+   all-reduced across processes, before the optimizer runs;
+3. the framework runs its hooks and clipping (they see the unscaled gradients);
+4. :meth:`~MixedPrecisionEngine.finish` steps the masters with the optimizer, or skips: a skipped step does not call
+   the optimizer at all, so nothing changes, whatever the optimizer does with its closure.
+
+Optimizers that re-evaluate their closure (LBFGS) use :meth:`~MixedPrecisionEngine.step_in_closure` instead.
+
+Example:
+    ```python
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    engine = MixedPrecisionEngine(torch.bfloat16)
+    engine.convert(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        engine.scale_loss(loss).backward()
+        engine.finish(optimizer, engine.decide(optimizer))
+        optimizer.zero_grad()
+    engine.restore()   # the model is fp32 again, holding the masters
+    assert model[0].weight.dtype == torch.float32 and engine.policy.steps == 3
+    ```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_mpt import _compat
+from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights, PreparedGrads
+from lightning_mpt.policy import StepPolicy
+from lightning_mpt.scaler import DynamicLossScaler
+
+
+@dataclass
+class PendingStep:
+    """An optimizer step whose gradients are unscaled and whose fate is decided, not yet carried out."""
+
+    optimizer: int  # the optimizer's index
+    prepared: PreparedGrads
+    skipped: bool
+    loss_finite: bool
+    scale: float
+    culprits: Optional[Tensor] = None  # on a skip: per-parameter non-finite flags, taken before any clipping
+
+
+class _SkippedStep(Exception):
+    """Raised inside the optimizer's closure to leave ``optimizer.step()`` before it changes anything."""
+
+
+class MixedPrecisionEngine:
+    """FP32 master weights, a loss scale and the skip policy for a half-precision model.
+
+    Args:
+        dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
+        scaler: the loss scaler, ``None`` for no scaling.
+        master_weights: keep fp32 masters (``False`` steps the half weights directly).
+        keep_fp32: module types whose parameters stay fp32.
+        max_consecutive_skips: the guard's limit of skipped steps in a row of one optimizer.
+        on_edits: called with the names of parameters whose half weights were edited in place outside the step
+            (the edits are adopted by the masters either way).
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        scaler: Optional[DynamicLossScaler] = None,
+        master_weights: bool = True,
+        keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32,
+        max_consecutive_skips: int = 50,
+        on_edits: Optional[Callable[[list[str]], None]] = None,
+    ) -> None:
+        self.masters = MasterWeights(dtype, keep_fp32, enabled=master_weights)
+        self.policy = StepPolicy(scaler, max_consecutive_skips)
+        self.on_edits = on_edits
+        self._pending: dict[Optimizer, PendingStep] = {}
+        self._optimizers: dict[Optimizer, list[Any]] = {}  # adopted optimizers, in order -> their hook handles
+
+    # ------------------------------------------------------------------ set-up and teardown
+    def convert(self, module: nn.Module) -> nn.Module:
+        """Cast ``module`` to the half format in place; its fp32 tensors become the masters."""
+        return self.masters.convert(module)
+
+    def adopt(self, optimizer: Optimizer) -> int:
+        """The index of ``optimizer`` (its position among the optimizers seen), adopting it on first sight."""
+        if optimizer not in self._optimizers:
+            self._optimizers[optimizer] = self.masters.adopt_optimizer(optimizer)
+        return list(self._optimizers).index(optimizer)
+
+    def restore(self) -> None:
+        """End of a stage: drop optimizer hooks and anything half done, give the module its fp32 masters back."""
+        for handles in self._optimizers.values():
+            for h in handles:
+                h.remove()
+        self._optimizers.clear()
+        self.drop_pending()
+        self.masters.restore()
+
+    # ------------------------------------------------------------------ backward
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """The loss to backpropagate: multiplied by the scale. New gradients make any decided step stale."""
+        self.drop_pending()
+        self.masters.release_stepped(drop_module_grads=False)
+        return self.policy.scale_loss(loss)
+
+    # ------------------------------------------------------------------ the step
+    def decide(self, optimizer: Optimizer) -> PendingStep:
+        """Unscale ``optimizer``'s gradients and decide its step: the step's one host sync. Until the step is carried
+        out, later calls return the same decision (clipping then stepping costs one sync)."""
+        pending = self._pending.get(optimizer)
+        if pending is not None:
+            return pending
+        index = self.adopt(optimizer)
+        scale = self.policy.backward_scale
+        prepared = self.masters.prepare(optimizer, scale)
+        skipped, loss_finite, edited = self.policy.sync(prepared.found_inf, prepared.edited)
+        names = self.masters.adopt_edits(prepared, edited)
+        if names and self.on_edits is not None:
+            self.on_edits(names)
+        pending = PendingStep(index, prepared, skipped, loss_finite, scale)
+        if skipped:
+            pending.culprits = prepared.nonfinite_mask()  # now, before hooks or clipping touch the gradients
+        self._pending[optimizer] = pending
+        return pending
+
+    def finish(self, optimizer: Optimizer, pending: PendingStep, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        """Carry out a decided step: the optimizer steps the masters (``closure`` is handed to it), or, for a skip,
+        is not called at all. Returns what ``optimizer.step`` returned (``None`` for a skip)."""
+        self._pending.pop(optimizer, None)
+        if pending.skipped:
+            _compat.mark_optimizer_stepped(optimizer)  # LR schedulers: a skipped step is a step, as with GradScaler
+            self._skip(optimizer, pending)
+            return None
+        self.masters.enter(optimizer, pending.prepared)
+        stepped = False
+        try:
+            output = optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
+            stepped = True
+        finally:
+            self.masters.exit(optimizer, pending.prepared, stepped=stepped)
+        self._stepped(pending)
+        return output
+
+    def step_in_closure(
+        self, optimizer: Optimizer, closure: Callable[[], Any], after: Callable[[], None], **kwargs: Any
+    ) -> Any:
+        """A step whose closure the optimizer runs (no loss scaler: LBFGS, or Lightning's automatic optimization).
+
+        The optimizer calls the closure first thing in ``step()``: there the gradients are computed, ``after`` runs
+        (hooks, clipping), the step is decided, and unless it is skipped the optimizer holds the masters for the
+        update that follows. A skip leaves ``step()`` through an exception, before the optimizer changed anything.
+        Re-evaluations (LBFGS's line search) see the masters' current values and are not decided again.
+        """
+        state: dict[str, Optional[PendingStep]] = {"pending": None}
+
+        def wrapped() -> Any:
+            pending = state["pending"]
+            if pending is not None:  # re-evaluation: the forward must see the masters' current values
+                self.masters.exit(optimizer, pending.prepared, stepped=False)
+            result = closure()
+            if result is None:  # no backward ran (training_step returned None): nothing to step
+                after()
+                return result
+            if pending is None:
+                pending = self.decide(optimizer)
+            else:
+                prepared = self.masters.prepare(optimizer, self.policy.backward_scale, check_edits=False)
+                pending = PendingStep(pending.optimizer, prepared, False, True, self.policy.backward_scale)
+                self._pending[optimizer] = pending
+            state["pending"] = pending
+            after()
+            self._pending.pop(optimizer, None)
+            if pending.skipped:
+                self._skip(optimizer, pending)
+                raise _SkippedStep
+            self.masters.enter(optimizer, pending.prepared)
+            return result
+
+        stepped = False
+        try:
+            output = optimizer.step(closure=wrapped, **kwargs)
+            stepped = True
+        except _SkippedStep:
+            return None
+        finally:
+            pending = state["pending"]
+            if pending is not None and pending.prepared.entered:
+                self.masters.exit(optimizer, pending.prepared, stepped=stepped)
+        if state["pending"] is not None:
+            self._stepped(state["pending"])
+        return output
+
+    def _stepped(self, pending: PendingStep) -> None:
+        self.policy.record(False, pending.loss_finite, pending.optimizer, pending.scale)
+        self.policy.stepped(pending.optimizer)
+
+    def _skip(self, optimizer: Optimizer, pending: PendingStep) -> None:
+        """Carry out a skipped step: nothing moves, the gradients are dropped, the scale backs off, the guard looks."""
+        prepared = pending.prepared
+        if prepared.entered:
+            self.masters.exit(optimizer, prepared, stepped=False)
+        record = self.policy.record(True, pending.loss_finite, pending.optimizer, pending.scale)
+        record.blame([self.masters.name_of(p) for p in prepared.all_params()], pending.culprits)
+        self.masters.discard(prepared)
+        self.policy.check_guard(record)
+
+    def drop_pending(self) -> None:
+        """Forget decided steps not carried out (new gradients arrived, or the run failed inside a step)."""
+        for optimizer, pending in self._pending.items():
+            if pending.prepared.entered:
+                self.masters.exit(optimizer, pending.prepared, stepped=False)
+        self._pending.clear()
