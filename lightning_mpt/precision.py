@@ -8,7 +8,6 @@ fp32 copy), :class:`~lightning_mpt.policy.StepPolicy` (scale, decide, guard) and
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mpt import _compat
+from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
 from lightning_mpt.engine import MixedPrecisionEngine
 from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
@@ -35,8 +35,6 @@ from lightning_mpt.scaler import DynamicLossScaler
 
 __all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strategy"]
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}
 
 
 class MPTPrecision(Precision):
@@ -77,8 +75,8 @@ class MPTPrecision(Precision):
         keep_fp32: Union[type[Module], tuple[type[Module], ...]] = DEFAULT_KEEP_FP32,
         max_consecutive_skips: int = 50,
     ) -> None:
-        dtype, scaler, keep_fp32 = _check_arguments(precision, scaler, master_weights, keep_fp32, max_consecutive_skips)
-        self.precision = _LIGHTNING_NAMES[precision]  # type: ignore[assignment]
+        dtype, scaler, keep_fp32 = check_arguments(precision, scaler, master_weights, keep_fp32, max_consecutive_skips)
+        self.precision = LIGHTNING_NAMES[precision]  # type: ignore[assignment]
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set again in connect()
         self.master_weights = master_weights
         self.keep_fp32 = keep_fp32
@@ -297,40 +295,6 @@ class MPTPrecision(Precision):
 def _unwrap(optimizer: Any) -> Optimizer:
     """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (``self.optimizers()``)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _check_arguments(
-    precision: Any, scaler: Any, master_weights: Any, keep_fp32: Any, max_consecutive_skips: Any
-) -> tuple[torch.dtype, Optional[DynamicLossScaler], tuple[type[Module], ...]]:
-    """Validate ``MPTPrecision``'s arguments; every error says what was wrong and what is accepted."""
-    if precision not in _DTYPES:
-        raise ValueError(f"MPTPrecision(precision={precision!r}): precision must be one of 'fp16', 'bf16'.")
-    if scaler is None:
-        scaler = DynamicLossScaler() if precision == "fp16" else None
-    elif isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
-        if not (math.isfinite(scaler) and scaler > 0):
-            raise ValueError(f"MPTPrecision(scaler={scaler!r}): a static scale must be a finite number > 0.")
-        scaler = DynamicLossScaler.static(float(scaler))
-    elif not isinstance(scaler, DynamicLossScaler):
-        raise TypeError(
-            f"MPTPrecision(scaler={scaler!r}): expected None, a DynamicLossScaler or a number (a static scale)."
-        )
-    if not isinstance(master_weights, bool):
-        raise TypeError(f"MPTPrecision(master_weights={master_weights!r}): expected a bool (True or False).")
-    if isinstance(keep_fp32, type):
-        keep_fp32 = (keep_fp32,)
-    if not isinstance(keep_fp32, (tuple, list)) or not all(
-        isinstance(k, type) and issubclass(k, Module) for k in keep_fp32
-    ):
-        raise TypeError(
-            f"MPTPrecision(keep_fp32={keep_fp32!r}): expected a torch.nn.Module subclass or a tuple of them, "
-            "e.g. keep_fp32=(torch.nn.LayerNorm, torch.nn.BatchNorm2d)."
-        )
-    if not (
-        isinstance(max_consecutive_skips, int) and not isinstance(max_consecutive_skips, bool) and max_consecutive_skips >= 1
-    ):
-        raise ValueError(f"MPTPrecision(max_consecutive_skips={max_consecutive_skips!r}): expected an int >= 1.")
-    return _DTYPES[precision], scaler, tuple(keep_fp32)
 
 
 def _check_optimizer(optimizer: Optimizer) -> None:

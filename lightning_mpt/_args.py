@@ -1,0 +1,48 @@
+"""Argument checks shared by the Trainer and Fabric plugins: every error says what was wrong and what is accepted."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch.nn import Module
+
+from lightning_mpt.scaler import DynamicLossScaler
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's names of the same formats
+
+
+def check_arguments(
+    precision: Any, scaler: Any, master_weights: Any, keep_fp32: Any, max_consecutive_skips: Any
+) -> tuple[torch.dtype, Optional[DynamicLossScaler], tuple[type[Module], ...]]:
+    """Validate the plugins' arguments; return the half dtype, the scaler (``None``: no scaling) and ``keep_fp32``."""
+    if precision not in DTYPES:
+        raise ValueError(f"MPTPrecision(precision={precision!r}): precision must be one of 'fp16', 'bf16'.")
+    if scaler is None:
+        scaler = DynamicLossScaler() if precision == "fp16" else None
+    elif isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
+        if not (math.isfinite(scaler) and scaler > 0):
+            raise ValueError(f"MPTPrecision(scaler={scaler!r}): a static scale must be a finite number > 0.")
+        scaler = DynamicLossScaler.static(float(scaler))
+    elif not isinstance(scaler, DynamicLossScaler):
+        raise TypeError(
+            f"MPTPrecision(scaler={scaler!r}): expected None, a DynamicLossScaler or a number (a static scale)."
+        )
+    if not isinstance(master_weights, bool):
+        raise TypeError(f"MPTPrecision(master_weights={master_weights!r}): expected a bool (True or False).")
+    if isinstance(keep_fp32, type):
+        keep_fp32 = (keep_fp32,)
+    if not isinstance(keep_fp32, (tuple, list)) or not all(
+        isinstance(k, type) and issubclass(k, Module) for k in keep_fp32
+    ):
+        raise TypeError(
+            f"MPTPrecision(keep_fp32={keep_fp32!r}): expected a torch.nn.Module subclass or a tuple of them, "
+            "e.g. keep_fp32=(torch.nn.LayerNorm, torch.nn.BatchNorm2d)."
+        )
+    if not (
+        isinstance(max_consecutive_skips, int) and not isinstance(max_consecutive_skips, bool) and max_consecutive_skips >= 1
+    ):
+        raise ValueError(f"MPTPrecision(max_consecutive_skips={max_consecutive_skips!r}): expected an int >= 1.")
+    return DTYPES[precision], scaler, tuple(keep_fp32)
