@@ -5,7 +5,7 @@ PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.installed
 
-.PHONY: demo test docs bench peer clean
+.PHONY: demo test fuzz docs bench peer clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,6 +22,9 @@ test: $(STAMP)  ## the test suite and the strict documentation build
 	$(PY) -m pytest -q
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
+fuzz: $(STAMP)  ## the differential fuzz test's long profile: 2000 fresh random training setups (about 8 min)
+	FUZZ_EXAMPLES=2000 FUZZ_RANDOM=1 $(PY) -m pytest -q tests/test_fuzz.py -k replay --hypothesis-show-statistics
+
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs serve
 
@@ -30,7 +33,7 @@ bench: $(STAMP)  ## speed and memory against Lightning's built-in precisions (se
 
 peer: $(STAMP)  ## Lightning's own tests with MPTPrecision substituted (see docs/compatibility.md)
 	$(PY) -m pip install -q pytest-rerunfailures pytest-timeout scikit-learn
-	PY=$(PY) ../shared/peer/run_peer.sh $(LIGHTNING_TESTS)
+	PY=$(abspath $(PY)) ../shared/peer/run_peer.sh $(LIGHTNING_TESTS)
 
 clean:
 	rm -rf $(VENV) build runs lightning_logs

@@ -36,6 +36,11 @@ def foreach_sub_(dst: list[Tensor], src: list[Tensor]) -> None:
     torch._foreach_sub_(dst, src)
 
 
+def foreach_mul_(tensors: list[Tensor], factor: float) -> None:
+    """``t *= factor`` for all tensors in one fused launch (torch >= 1.7)."""
+    torch._foreach_mul_(tensors, factor)
+
+
 def foreach_max_abs(tensors: list[Tensor]) -> list[Tensor]:
     """``[t.abs().max() for t in tensors]`` in one fused launch, as 0-dim tensors on the device (torch >= 1.11);
     inf/NaN propagate, so it also flags non-finite values."""
@@ -61,8 +66,3 @@ def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
     from lightning.pytorch.plugins.precision import Precision
 
     Precision._after_closure(plugin, model, optimizer)
-
-
-def lr_scheduler_base() -> Optional[type]:
-    """torch's LR scheduler base class (public name ``LRScheduler`` since torch 2.0)."""
-    return getattr(torch.optim.lr_scheduler, "LRScheduler", None)

@@ -113,8 +113,9 @@ class MixedPrecisionEngine:
 
     # ------------------------------------------------------------------ backward
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """The loss to backpropagate: multiplied by the scale. New gradients make any decided step stale."""
-        self.drop_pending()
+        """The loss to backpropagate: multiplied by the scale. New gradients make a decided step stale: its
+        gradients go back to their scaled state, to be accumulated into and decided again at the step."""
+        self.drop_pending(unprepare=True)
         self.masters.release_stepped(drop_module_grads=False)
         return self.policy.scale_loss(loss)
 
@@ -219,9 +220,12 @@ class MixedPrecisionEngine:
         self.masters.discard(prepared)
         self.policy.check_guard(record)
 
-    def drop_pending(self) -> None:
-        """Forget decided steps not carried out (new gradients arrived, or the run failed inside a step)."""
+    def drop_pending(self, unprepare: bool = False) -> None:
+        """Forget decided steps not carried out (new gradients arrived, or the run failed inside a step);
+        ``unprepare``: give their gradients back their scaled values in the parameters' format."""
         for optimizer, pending in self._pending.items():
             if pending.prepared.entered:
                 self.masters.exit(optimizer, pending.prepared, stepped=False)
+            if unprepare:
+                self.masters.unprepare(pending.prepared, pending.scale)
         self._pending.clear()

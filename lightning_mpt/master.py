@@ -411,6 +411,18 @@ class MasterWeights:
         _write_halves(prepared.params, prepared.masters)
         prepared.entered = False
 
+    def unprepare(self, prepared: PreparedGrads, scale: float) -> None:
+        """Undo :meth:`prepare` for a step that will not be taken now (another backward comes first): the gradients
+        go back to their scaled values in the parameters' own format, so the backward accumulates into them as into
+        any gradient, and the step prepares them again (any clipping done meanwhile is kept, as under "32-true")."""
+        own = [p.grad for p in prepared.own_params if p.grad is not None]
+        if scale != 1.0 and own:
+            _compat.foreach_mul_(own, scale)
+        for p, m, g in zip(prepared.params, prepared.masters, prepared.master_grads):
+            m.grad = None
+            if p.grad is not None:  # the master gradient holds what clipping left (also where p.grad is a half copy)
+                p.grad = g.mul_(scale).to(p.dtype)
+
     def discard(self, prepared: PreparedGrads) -> None:
         """A skipped step: drop every gradient it prepared, the parameters' own included."""
         for m in prepared.masters:

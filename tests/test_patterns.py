@@ -511,3 +511,34 @@ def test_keep_fp32_accepts_a_single_class():
     assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.bfloat16
     plugin.teardown()
     assert plugin.keep_fp32 == (nn.Linear,)
+
+
+# ------------------------------------------------------------------------ a backward between clipping and the step
+
+
+class ClipThenMoreBackward(ManualClip):
+    """Clips, then backpropagates a second loss into the clipped gradients, then steps (as "32-true" allows)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.net(x).float(), y))
+        self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm=self.algorithm)
+        self.manual_backward(nn.functional.mse_loss(self.net(x).float(), y) * 1e-2)
+        opt.step()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_backward_after_clipping_accumulates_into_the_clipped_gradients(precision):
+    def run(**kwargs: Any) -> dict:
+        torch.manual_seed(0)
+        model = ClipThenMoreBackward(1e-3, "norm")
+        quiet_trainer(max_steps=3, **kwargs).fit(model, regression_data(n=48))
+        return snapshot(model)
+
+    ref = run(precision="32-true")
+    got = run(plugins=[MPTPrecision(precision, scaler=2.0**12 if precision == "fp16" else None)])
+    torch.manual_seed(0)
+    start = snapshot(ClipThenMoreBackward(1e-3, "norm"))
+    assert moved(start, got) == pytest.approx(moved(start, ref), rel=2e-2)
