@@ -5,7 +5,7 @@ PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.installed
 
-.PHONY: demo test fuzz docs bench peer clean
+.PHONY: demo test test-floor fuzz docs bench peer clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,15 @@ demo: $(STAMP)  ## a short training run that writes a TensorBoard log with the "
 test: $(STAMP)  ## the test suite and the strict documentation build
 	$(PY) -m pytest -q
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
+
+FLOOR_VENV ?= .venv-floor
+test-floor:  ## the suite on the oldest torch, lightning, torchmetrics and tensorboard that pyproject.toml declares
+	python3 -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	python3 scripts/floor_constraints.py > $(FLOOR_VENV)/floor.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/floor.txt -e ".[dev]"
+	$(FLOOR_VENV)/bin/python -m pip list 2>/dev/null | grep -iE "^(torch|lightning|torchmetrics|tensorboard) "
+	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider
 
 fuzz: $(STAMP)  ## the differential fuzz test's long profile: 2000 fresh random training setups (about 8 min)
 	FUZZ_EXAMPLES=2000 FUZZ_RANDOM=1 $(PY) -m pytest -q tests/test_fuzz.py -k replay --hypothesis-show-statistics

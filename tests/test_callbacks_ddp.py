@@ -26,6 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mpt import MPTPrecision
 from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
 
+pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+
 STEPS = 4
 REFERENCE_EVERY = 2
 

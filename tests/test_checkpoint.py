@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -164,14 +164,19 @@ print("DONE", trainer.global_step, trainer.precision_plugin.loss_scale, flush=Tr
 """
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     ckpt_dir, log_dir = str(tmp_path / "ckpt"), str(tmp_path / "logs")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(KILL_SCRIPT.format(tests=str(HERE), ckpt_dir=ckpt_dir, log_dir=log_dir, slow=True)))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and "READY" not in (proc.stdout.readline() or ""):
-        pass
+    watchdog = threading.Timer(120, proc.kill)  # a child that hangs before READY is killed; one that dies ends the read
+    watchdog.start()
+    try:
+        ready = any("READY" in line for line in proc.stdout)
+    finally:
+        watchdog.cancel()
+    assert ready, "the training child exited (or hung) before its checkpoint at step 6"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from models import run_until_written
 
+pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 

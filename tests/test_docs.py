@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
@@ -66,15 +65,6 @@ class _Page:
 
 
 _pages: dict[Path, _Page] = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    """Docs code runs tiny models: intra-op threads only cost time, a lot of it on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])

@@ -22,15 +22,7 @@ import resnet_synthetic  # noqa: E402
 import run_all  # noqa: E402
 import vit_static_vs_dynamic  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> None:
-    """Tiny models gain nothing from intra-op threads, and on a busy machine spinning OpenMP threads make fp16 CPU
-    kernels ten times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.slow
 
 
 def scalars(logdir: str) -> dict[str, list[float]]:

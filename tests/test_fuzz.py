@@ -43,6 +43,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpt import DynamicLossScaler, MPTPrecision
 
+pytestmark = pytest.mark.slow
+
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
 RANDOM = os.environ.get("FUZZ_RANDOM", "0") == "1"
 EPOCHS, BATCHES, VOCAB, DIM = 3, 4, 12, 8

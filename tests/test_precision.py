@@ -398,11 +398,12 @@ def test_guard_stops_a_run_whose_loss_is_nan():
 def test_guard_fp16_reaches_min_scale_then_stops():
     plugin = MPTPrecision("fp16")  # init 2^16, min 1: the scale halves 16 times, then overflows at the floor
     trainer = quiet_trainer(max_steps=100, plugins=[plugin])
-    with pytest.raises(NonFiniteGradientError, match=r"overflow happened at the minimum loss scale \(1\)"):
+    with pytest.raises(NonFiniteGradientError, match=r"overflow happened at the minimum loss scale \(1\)") as err:
         trainer.fit(NaNLoss(), regression_data(n=1600))
     assert plugin.skipped_steps == 17
-    assert "65536*, 32768*" not in str(plugin.history)  # history is records, the message has the trail
-    assert [r.scale for r in plugin.history][:3] == [65536.0, 32768.0, 16384.0]
+    assert [r.scale for r in plugin.history] == [2.0**k for k in range(16, -1, -1)]
+    # the message shows the last 12 scales, each marked skipped
+    assert "recent loss scales (* = skipped): 2048*, 1024*, " in str(err.value) and str(err.value).count("*") == 13
 
 
 def test_guard_overflow_at_min_scale():
@@ -417,10 +418,17 @@ def test_guard_overflow_at_min_scale():
 
 
 def test_a_static_scale_skips_but_only_the_consecutive_guard_stops_it():
+    # skips that are not in a row (0, 1, 3, 4) never trip a guard of 3, and a static scale has no minimum to reach
     plugin = MPTPrecision("fp16", scaler=4.0, max_consecutive_skips=3)
     trainer = quiet_trainer(max_steps=6, plugins=[plugin], callbacks=[InjectInf("net.0.weight", {0, 1, 3, 4})])
     trainer.fit(TinyMLP(), regression_data(n=96))
-    assert plugin.skipped_steps == 4 and plugin.loss_scale == 4.0
+    assert plugin.skipped_steps == 4 and plugin.loss_scale == 4.0 and trainer.global_step == 6
+    # three in a row (2, 3, 4) do, at the third
+    plugin = MPTPrecision("fp16", scaler=4.0, max_consecutive_skips=3)
+    trainer = quiet_trainer(max_steps=8, plugins=[plugin], callbacks=[InjectInf("net.0.weight", {2, 3, 4})])
+    with pytest.raises(NonFiniteGradientError, match="3 optimizer steps in a row were skipped"):
+        trainer.fit(TinyMLP(), regression_data(n=128))
+    assert plugin.skipped_steps == 3 and [r.skipped for r in plugin.history] == [False, False, True, True, True]
 
 
 def test_a_failed_run_leaves_an_fp32_model_and_its_last_checkpoint(tmp_path):
