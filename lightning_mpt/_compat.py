@@ -66,3 +66,9 @@ def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
     from lightning.pytorch.plugins.precision import Precision
 
     Precision._after_closure(plugin, model, optimizer)
+
+
+def attached_trainer(module: Any) -> Optional[Any]:
+    """The Trainer a LightningModule is attached to, or ``None`` (lightning >= 2.0 keeps it in ``_trainer``; the public
+    ``module.trainer`` raises when there is none)."""
+    return getattr(module, "_trainer", None)

@@ -59,6 +59,10 @@ class PendingStep:
     culprits: Optional[Tensor] = None  # on a skip: per-parameter non-finite flags, taken before any clipping
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
 class _SkippedStep(Exception):
     """Raised inside the optimizer's closure to leave ``optimizer.step()`` before it changes anything."""
 
@@ -72,6 +76,7 @@ class MixedPrecisionEngine:
         master_weights: keep fp32 masters (``False`` steps the half weights directly).
         keep_fp32: module types whose parameters stay fp32.
         max_consecutive_skips: the guard's limit of skipped steps in a row of one optimizer.
+        accumulate_fp32: sum the gradients of micro-batches in fp32 (torch >= 2.13); see :meth:`scale_loss`.
         on_edits: called with the names of parameters whose half weights were edited in place outside the step
             (the edits are adopted by the masters either way).
     """
@@ -83,9 +88,11 @@ class MixedPrecisionEngine:
         master_weights: bool = True,
         keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32,
         max_consecutive_skips: int = 50,
+        accumulate_fp32: bool = False,
         on_edits: Optional[Callable[[list[str]], None]] = None,
     ) -> None:
         self.masters = MasterWeights(dtype, keep_fp32, enabled=master_weights)
+        self.accumulate_fp32 = accumulate_fp32
         self.policy = StepPolicy(scaler, max_consecutive_skips)
         self.on_edits = on_edits
         self._pending: dict[Optimizer, PendingStep] = {}
@@ -112,11 +119,17 @@ class MixedPrecisionEngine:
         self.masters.restore()
 
     # ------------------------------------------------------------------ backward
-    def scale_loss(self, loss: Tensor) -> Tensor:
+    def scale_loss(self, loss: Tensor, sync: bool = True) -> Tensor:
         """The loss to backpropagate: multiplied by the scale. New gradients make a decided step stale: its
-        gradients go back to their scaled state, to be accumulated into and decided again at the step."""
+        gradients go back to their scaled state, to be accumulated into and decided again at the step.
+
+        With ``accumulate_fp32``, ``sync`` says whether this backward reduces gradients across processes (``False``
+        for the micro-batches DDP runs under ``no_sync``): until then the gradients are summed in fp32.
+        """
         self.drop_pending(unprepare=True)
         self.masters.release_stepped(drop_module_grads=False)
+        if self.accumulate_fp32:
+            self.masters.accumulate_in_fp32(sync=sync and _distributed())
         return self.policy.scale_loss(loss)
 
     # ------------------------------------------------------------------ the step

@@ -411,6 +411,23 @@ class MasterWeights:
         _write_halves(prepared.params, prepared.masters)
         prepared.entered = False
 
+    def accumulate_in_fp32(self, sync: bool) -> None:
+        """Before a backward: give the half parameters fp32 gradients for autograd to accumulate into (zeros at the
+        start of a window), so micro-batches are summed in fp32, not in the half format (torch >= 2.13).
+
+        ``sync``: the backward reduces gradients across processes (DDP's last micro-batch); the reducer insists on
+        the parameter's dtype, so the fp32 sum so far goes back to the half format, rounded once.
+        """
+        for p, m in self._masters.items():
+            g = p.grad
+            if sync:
+                if g is not None and g.dtype != p.dtype:
+                    p.grad = g.to(p.dtype)
+            elif g is None:
+                p.grad = torch.zeros_like(m)
+            elif g.dtype != torch.float32:
+                p.grad = g.float()
+
     def unprepare(self, prepared: PreparedGrads, scale: float) -> None:
         """Undo :meth:`prepare` for a step that will not be taken now (another backward comes first): the gradients
         go back to their scaled values in the parameters' own format, so the backward accumulates into them as into

@@ -1,9 +1,10 @@
 """A 2-process CPU (gloo) training run for tests/test_ddp.py; each rank writes what it saw to ``OUT/rank<r>.json``.
 
 usage: python ddp_worker.py STRATEGY OUT PRECISION [--inject-step K --inject-rank R] [--model nonorm|mlp]
+                            [--accumulate N [--accumulate-fp32]]
 
 PRECISION is ``mpt-fp16``, ``mpt-bf16`` or ``lightning-16-mixed`` (Lightning's MixedPrecision with a GradScaler).
-Per optimizer step a rank records the loss scale, whether the step was skipped, a SHA-1 of its fp32 weights (the
+Per training batch a rank records the loss scale, whether the step was skipped, a SHA-1 of its fp32 weights (the
 masters under MPTPrecision) and the bytes its DDP communication hook all-reduced.
 """
 
@@ -55,7 +56,8 @@ class Record(L.Callback):
         plugin = trainer.precision_plugin
         if isinstance(plugin, MPTPrecision):
             weights = [m for _, _, m in plugin.named_masters()]
-            scale, skipped = plugin.last_step.scale, plugin.last_step_skipped  # the scale the step ran at
+            last = plugin.last_step  # None while the first accumulation window is open
+            scale, skipped = (last.scale, last.skipped) if last is not None else (plugin.loss_scale, None)
             dtypes = sorted({str(p.dtype) for p in module.parameters()})
         else:
             weights = list(module.parameters())
@@ -90,16 +92,20 @@ def main() -> None:
     p.add_argument("--model", choices=["nonorm", "mlp"], default="mlp")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--reference", action="store_true", help="UnderflowMonitor's fp32 reference at every step")
+    p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    p.add_argument("--accumulate-fp32", action="store_true", help="MPTPrecision(accumulate_fp32=True)")
     args = p.parse_args()
 
     torch.manual_seed(os.getpid() if args.strategy == "ddp" else 0)  # ranks start from different weights on purpose
-    plugin = MPTPrecision(args.precision[4:]) if args.precision.startswith("mpt") else MixedPrecision("16-mixed", "cpu")
+    extra = {"accumulate_fp32": True} if args.accumulate_fp32 else {}
+    plugin = MPTPrecision(args.precision[4:], **extra) if args.precision.startswith("mpt") else MixedPrecision("16-mixed", "cpu")
     if args.precision == "mpt-fp16":
         plugin = MPTPrecision("fp16", scaler=1024.0 if args.inject_step < 0 else None)
     trainer = quiet_trainer(
         strategy=args.strategy,
         devices=2,
         max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
         plugins=[plugin],
         callbacks=[
             *([UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1)] if args.reference else []),
@@ -108,7 +114,7 @@ def main() -> None:
         ],
     )
     model = NoNormMLP() if args.model == "nonorm" else TinyMLP()
-    trainer.fit(model, regression_data(n=32 * args.steps))
+    trainer.fit(model, regression_data(n=32 * args.steps * args.accumulate))
 
 
 if __name__ == "__main__":

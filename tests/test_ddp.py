@@ -59,3 +59,14 @@ def test_the_fp32_reference_leaves_ddp_intact(tmp_path):
     assert [r["weights_sha1"] for r in rank0] == [r["weights_sha1"] for r in rank1]
     assert len({r["weights_sha1"] for r in rank0}) == 6  # and it trained
     assert all(r["bytes"] > 0 for r in rank0)
+
+
+def test_fp32_accumulation_under_ddp_reduces_half_gradients_once_per_step(tmp_path):
+    """The micro-batches under no_sync sum in fp32; the synchronising one hands DDP's reducer its half format."""
+    rank0, rank1 = run_workers(tmp_path, "ddp", "mpt-bf16", "--model", "nonorm", "--accumulate", "3", "--accumulate-fp32")
+    assert len(rank0) == len(rank1) == 18  # 6 optimizer steps of 3 micro-batches
+    assert [r["weights_sha1"] for r in rank0] == [r["weights_sha1"] for r in rank1]
+    hashes = [r["weights_sha1"] for r in rank0]
+    assert len(set(hashes)) == 7 and hashes[2::3] == list(dict.fromkeys(hashes[2::3]))  # the start, then one per window
+    params = 16 * 32 + 32 + 32 * 4 + 4
+    assert [r["bytes"] for r in rank0] == [0, 0, 2 * params] * 6  # half-precision all-reduce, only at the step

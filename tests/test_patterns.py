@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpt import DynamicLossScaler, MPTPrecision, NonFiniteGradientError
+from lightning_mpt._compat import GRAD_DTYPE
 
 PRECISIONS = ["fp16", "bf16"]
 
@@ -542,3 +543,53 @@ def test_a_backward_after_clipping_accumulates_into_the_clipped_gradients(precis
     torch.manual_seed(0)
     start = snapshot(ClipThenMoreBackward(1e-3, "norm"))
     assert moved(start, got) == pytest.approx(moved(start, ref), rel=2e-2)
+
+
+# ------------------------------------------------------------------------ fp32 gradient accumulation (issue 12)
+
+
+class TinyGrads(L.LightningModule):
+    """Per-micro-batch gradients small next to their sum: fp16 accumulation rounds each addition away."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(16, 1, bias=False)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.w(x).float().mean() * 2.0**-10
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.seen.append(self.trainer.precision_plugin.master_of(self.w.weight).grad.double().clone())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.skipif(not GRAD_DTYPE, reason="needs torch >= 2.13 (Tensor.grad_dtype)")
+def test_accumulate_fp32_sums_micro_batches_in_fp32():
+    g = torch.Generator().manual_seed(0)
+    # inputs and factors exact in fp16, so the only rounding left is the summation's
+    x = 1 + torch.randint(0, 1024, (64, 16), generator=g) / 1024
+    data = DataLoader(TensorDataset(x), batch_size=1)
+
+    def grad(**plugin_kwargs: Any) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = TinyGrads()
+        quiet_trainer(max_steps=1, accumulate_grad_batches=64, plugins=[MPTPrecision("fp16", scaler=2.0**10, **plugin_kwargs)]).fit(model, data)
+        return model.seen[0]
+
+    x = x.double()
+    exact = (x.sum(0) * 2.0**-10 / 64).unsqueeze(0)  # d(mean over micro-batches of w.x * 1e-3)/dw, in fp64
+    error = lambda got: ((got - exact).norm() / exact.norm()).item()  # noqa: E731
+    half, fp32 = error(grad()), error(grad(accumulate_fp32=True))
+    assert fp32 == 0.0  # every micro-batch gradient is exact in fp16 and their sum exact in fp32
+    assert half > 1e-4  # the fp16 running sum rounds at every addition
+
+
+def test_accumulate_fp32_is_checked():
+    with pytest.raises(TypeError, match=r"accumulate_fp32='yes'\): expected a bool"):
+        MPTPrecision("fp16", accumulate_fp32="yes")
+    with pytest.raises(ValueError, match="needs master_weights=True"):
+        MPTPrecision("fp16", accumulate_fp32=True, master_weights=False)
