@@ -5,7 +5,7 @@ PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.installed
 
-.PHONY: demo test docs bench peer clean
+.PHONY: demo test docs bench gpu-check peer clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,8 +25,14 @@ test: $(STAMP)  ## the test suite and the strict documentation build
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs serve
 
-bench: $(STAMP)  ## speed and memory against Lightning's built-in precisions (see benchmarks/README.md)
+bench: $(STAMP)  ## speed ratios (5 interleaved rounds), bandwidth floor, memory and profile against Lightning's precisions (benchmarks/README.md)
 	$(PY) benchmarks/run_all.py
+
+gpu-check: $(STAMP)  ## on a CUDA machine: the CUDA tests, then GPT-2 small (124M) per precision: speed, peak memory, profile -> build/gpu-check.md
+	@$(PY) -m pytest -q -m cuda tests/test_cuda.py; tests=$$?; \
+	$(PY) benchmarks/run_all.py --accelerator gpu --out build/gpu-check.md; bench=$$?; \
+	echo "gpu-check: CUDA tests exit $$tests, benchmark exit $$bench; the tables are in build/gpu-check.md"; \
+	test $$tests -eq 0 && test $$bench -eq 0
 
 peer: $(STAMP)  ## Lightning's own tests with MPTPrecision substituted (see docs/compatibility.md)
 	$(PY) -m pip install -q pytest-rerunfailures pytest-timeout scikit-learn
