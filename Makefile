@@ -30,7 +30,7 @@ bench: $(STAMP)  ## speed ratios (5 interleaved rounds), bandwidth floor, memory
 
 gpu-check: $(STAMP)  ## on a CUDA machine: the CUDA tests, then GPT-2 small (124M) per precision: speed, peak memory, profile -> build/gpu-check.md
 	@$(PY) -m pytest -q -m cuda tests/test_cuda.py; tests=$$?; \
-	$(PY) benchmarks/run_all.py --accelerator gpu --out build/gpu-check.md; bench=$$?; \
+	$(PY) benchmarks/run_all.py --accelerator gpu --max-minutes 5 --out build/gpu-check.md; bench=$$?; \
 	echo "gpu-check: CUDA tests exit $$tests, benchmark exit $$bench; the tables are in build/gpu-check.md"; \
 	test $$tests -eq 0 && test $$bench -eq 0
 

@@ -2,11 +2,11 @@
 overhead next to its bandwidth floor, the targets of issue 12, bytes per parameter and saved activations, and a
 profile of each precision's step.
 
-    python benchmarks/run_all.py                         # CPU: about 4 minutes on 2 quiet cores
+    python benchmarks/run_all.py                         # CPU: about 3-4 minutes on 2 quiet cores
     python benchmarks/run_all.py --threads 1             # steadier on a CPU that other jobs share
     python benchmarks/run_all.py --update                # paste the tables into benchmarks/README.md and docs/benchmarks.md
     python benchmarks/run_all.py --accelerator gpu       # GPT-2 small (124M) on a CUDA GPU, every precision (make gpu-check)
-    python benchmarks/run_all.py --size tiny --rounds 2 --steps 6 --warmup 3 --precisions all   # dry run, seconds
+    python benchmarks/run_all.py --size tiny --rounds 2 --steps 6 --warmup 3 --precisions all   # dry run, < 1 minute
 
 Speed: ``step_time.py``'s rounds (see its docstring for the method, the byte model and the targets). Memory: in
 the first round, ``MemoryProbe`` (from ``examples/memory_breakdown.py``) looks at the last warm-up step of every
@@ -94,7 +94,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if summary.floors:
         print("\nByte model (bytes the plugin's own work moves per optimizer step):\n" + summary.byte_model_text())
     profile = ""
-    if not args.no_profile:
+    if not args.no_profile and not cfg.time_left():
+        print("\n(profile skipped: --max-minutes spent)")
+    elif not args.no_profile:
         log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))  # noqa: E731
         profile = step_time.run_profiles(cfg.workloads, cfg.precisions, cfg.accelerator, cfg.warmup,
                                          args.profile_steps, args.top, log=log)

@@ -136,11 +136,12 @@ def test_benchmark_tables(tmp_path: Path) -> None:
     assert (tmp_path / "bench.md").read_text().startswith(text)
     assert "cores" in text and "torch" in text and "--precisions all" in text  # the machine and the command
     spread = r"-?\d+\.\d+ \[-?\d+\.\d+–-?\d+\.\d+\]"  # median [min–max]
-    for name in run_all.step_time.PRECISIONS:
+    for name in run_all.step_time.ALL_PRECISIONS:
         assert re.search(rf"^\| {name} \| {spread} \| \d+ \|$", text, re.M), name
     for ratio in ("mpt-bf16 / bf16-mixed", "mpt-bf16 / bf16-true", "mpt-fp16 / 16-mixed", "mpt-fp16 / 16-true"):
         assert re.search(rf"^\| {ratio} \| {spread} \|$", text, re.M), ratio
     assert re.search(rf"^\| mpt-bf16 - bf16-true \| {spread} \| [\d.]+ MB \| [\d.]+ GB/s \| [\d.]+ ms \|", text, re.M)
+    assert re.search(rf"^\| mpt-bf16 - mpt-bf16-nomaster \(the master weights\) \| {spread} \| [\d.]+ MB", text, re.M)
     assert re.search(r"^\| transformer: mpt-bf16 / bf16-true <= 1.0 \| .* \| (met|NOT met)", text, re.M)
     assert "2x the bandwidth floor" in text
     # the floor's byte model: 20 B per half parameter and 8 B per fp32 one (bf16), 26 and 8 with fp16's scaler
@@ -152,7 +153,9 @@ def test_benchmark_tables(tmp_path: Path) -> None:
     assert floors["mpt-fp16"]["bytes"] == 26 * half + 8 * fp32
     # the memory table: half weights with fp32 masters (norm layers stay fp32), and every precision has a row
     assert mpt["masters"] == 4 * half and mpt["weights"] == 2 * half + 4 * fp32
-    assert len([line for line in text.splitlines() if line.startswith("| transformer |")]) == 7
+    assert len([line for line in text.splitlines() if line.startswith("| transformer |")]) == 8
+    nomaster = out["results"]["transformer"]["mpt-bf16-nomaster"]  # MPTPrecision("bf16", master_weights=False)
+    assert nomaster["masters"] == 0 and nomaster["weights"] == mpt["weights"]
     assert all(len(runs) == 2 for runs in out["runs"]["transformer"].values())
 
 
