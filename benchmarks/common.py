@@ -178,10 +178,11 @@ class DeepMLP(Profiled):
 
 def mlp_data(n: int, width: int = 32, batch_size: int = 16) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)), batch_size=batch_size)
+    x, y = torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
-# ----------------------------------------------------------------------------------------------- callback_overhead.py's model
+# ------------------------------------------------------------------------------------------- callback_overhead's model
 class TransformerClassifier(L.LightningModule):
     """A post-norm transformer encoder classifier with dropout: the model of ``callback_overhead.py``."""
 
@@ -235,7 +236,8 @@ def get_workload(name: str, size: str = "small", dropout: float = 0.0) -> Worklo
             f"sequence {c.seq}, batch {c.batch}, tied embeddings{drop}, AdamW",
         )
     if name == "deep_mlp":
-        return Workload(name, DeepMLP, lambda steps: mlp_data(16 * steps), "200 x (Linear(32, 32) + ReLU), batch 16, AdamW")
+        return Workload(name, DeepMLP, lambda steps: mlp_data(16 * steps),
+                        "200 x (Linear(32, 32) + ReLU), batch 16, AdamW")
     if name == "classifier":
         return Workload(name, TransformerClassifier, lambda steps: transformer_data(16 * steps),
                         "4-layer transformer encoder classifier, d_model 256, dropout 0.1, AdamW")
@@ -274,7 +276,8 @@ class StepTimer(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._cuda = trainer.strategy.root_device.type == "cuda"
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if batch_idx == self.warmup:
             if self._cuda:
                 torch.cuda.synchronize()

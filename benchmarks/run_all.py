@@ -4,8 +4,8 @@ profile of each precision's step.
 
     python benchmarks/run_all.py                         # CPU: about 3-4 minutes on 2 quiet cores
     python benchmarks/run_all.py --threads 1             # steadier on a CPU that other jobs share
-    python benchmarks/run_all.py --update                # paste the tables into benchmarks/README.md and docs/benchmarks.md
-    python benchmarks/run_all.py --accelerator gpu       # GPT-2 small (124M) on a CUDA GPU, every precision (make gpu-check)
+    python benchmarks/run_all.py --update                # and paste the tables into the README and docs/benchmarks.md
+    python benchmarks/run_all.py --accelerator gpu       # GPT-2 small (124M) on a CUDA GPU (make gpu-check)
     python benchmarks/run_all.py --size tiny --rounds 2 --steps 6 --warmup 3 --precisions all   # dry run, < 1 minute
 
 Speed: ``step_time.py``'s rounds (see its docstring for the method, the byte model and the targets). Memory: in
@@ -88,8 +88,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cfg = step_time.configure(args)
     command = ("python benchmarks/run_all.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
     summary = step_time.measure(args, cfg, command, probe_memory=True)
-    text = summary.markdown() + "\n\nMemory at the optimizer step, bytes per parameter (first round, last warm-up step):\n\n" \
-        + memory_table(summary)
+    memory = "Memory at the optimizer step, bytes per parameter (first round, last warm-up step):"
+    text = f"{summary.markdown()}\n\n{memory}\n\n{memory_table(summary)}"
     print(text)
     if summary.floors:
         print("\nByte model (bytes the plugin's own work moves per optimizer step):\n" + summary.byte_model_text())
@@ -97,9 +97,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if not args.no_profile and not cfg.time_left():
         print("\n(profile skipped: --max-minutes spent)")
     elif not args.no_profile:
-        log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))  # noqa: E731
         profile = step_time.run_profiles(cfg.workloads, cfg.precisions, cfg.accelerator, cfg.warmup,
-                                         args.profile_steps, args.top, log=log)
+                                         args.profile_steps, args.top, log=step_time.progress(args))
         profile = f"Command: `{command}` (profile part).\n\n{profile}"
         print("\n" + profile)
     if args.out:

@@ -264,12 +264,13 @@ def copy_bandwidth(nbytes: int, device: torch.device, reps: int = 15) -> float:
 
 def bare_passes(half_shapes: list, fp32_shapes: list, dtype: torch.dtype, scaling: bool, device: torch.device,
                 fresh: bool, reps: int = 10) -> float:
-    """Seconds (best of ``reps``) of the byte model's passes as bare torch ops on tensors of the model's shapes: foreach copy
-    of the half grads into fp32, the fused AMP unscale, (the copy back), the foreach refresh of the half weights.
-    ``fresh``: allocate the fp32 gradients anew each time, as the plugin does per step."""
+    """Seconds (best of ``reps``) of the byte model's passes as bare torch ops on tensors of the model's shapes: the
+    foreach copy of the half grads into fp32, the fused AMP unscale, (the copy back into half), the foreach refresh
+    of the half weights. ``fresh``: allocate the fp32 gradients anew each time, as the plugin does per step."""
     half_grads = [torch.randn(s, device=device).to(dtype) for s in half_shapes]
     masters = [torch.randn(s, device=device) for s in half_shapes]
     halves = [m.to(dtype) for m in masters]
+    unscaled_halves = [torch.empty_like(g) for g in half_grads]  # not the inputs: they must not shrink per rep
     own_grads = [torch.randn(s, device=device) for s in fp32_shapes]
     kept = [torch.empty_like(m) for m in masters]
     found_inf = torch.zeros((), device=device)
@@ -280,7 +281,7 @@ def bare_passes(half_shapes: list, fp32_shapes: list, dtype: torch.dtype, scalin
         torch._foreach_copy_(grads, half_grads)
         torch._amp_foreach_non_finite_check_and_unscale_(grads + own_grads, found_inf, inv)
         if scaling:
-            torch._foreach_copy_(half_grads, grads)
+            torch._foreach_copy_(unscaled_halves, grads)
         torch._foreach_copy_(halves, masters)
 
     best = math.inf
@@ -376,7 +377,8 @@ class Summary:
     def targets(self) -> list[Target]:
         out = []
         if "transformer" in self.runs:
-            out.append(Target("transformer", "mpt-bf16 / bf16-true <= 1.0", self.ratio("transformer", "mpt-bf16", "bf16-true"), 1.0))
+            out.append(Target("transformer", "mpt-bf16 / bf16-true <= 1.0",
+                              self.ratio("transformer", "mpt-bf16", "bf16-true"), 1.0))
             floor = self.floors.get("transformer", {}).get("mpt-bf16")
             over = self.overhead("transformer", "mpt-bf16")
             if floor is not None and over is not None:
@@ -434,9 +436,11 @@ class Summary:
                                   self.overhead(w, NOMASTER, TRUE_OF[m]), False)]
                     for label, over, with_floor in rows:
                         rel = Spread([v / fl.seconds for v in over.values]).fmt(1) if over and with_floor else "–"
-                        floor_cells = (f"{fl.bytes.total / 1e6:.1f} MB | {fl.bandwidth / 1e9:.1f} GB/s | "
-                                       f"{1000 * fl.seconds:.3f} ms | {rel} | {1000 * fl.bare_reused:.3f} / "
-                                       f"{1000 * fl.bare_fresh:.3f} ms") if with_floor else "– | – | – | – | –"
+                        floor_cells = "– | – | – | – | –"
+                        if with_floor:
+                            floor_cells = (f"{fl.bytes.total / 1e6:.1f} MB | {fl.bandwidth / 1e9:.1f} GB/s | "
+                                           f"{1000 * fl.seconds:.3f} ms | {rel} | {1000 * fl.bare_reused:.3f} / "
+                                           f"{1000 * fl.bare_fresh:.3f} ms")
                         lines.append(f"| {label} | {over.fmt(2, 1000) if over else 'n/a'} | {floor_cells} |")
         worst = max(((s.hi / s.lo - 1, w, p) for w, by in self.runs.items() for p in by
                       for s in [self.step_times(w, p)]), default=None)
@@ -449,7 +453,9 @@ class Summary:
         if targets:
             lines += ["", "| target (issue 12) | measured: median [min–max] | verdict |", "|---|--:|---|"]
             for t in targets:
-                value = t.value.fmt(2 if t.unit != "x" else 3) + ("" if t.unit == "x" else f" {t.unit}") if t.value else "—"
+                value = "—"
+                if t.value is not None:
+                    value = t.value.fmt(3) if t.unit == "x" else f"{t.value.fmt(2)} {t.unit}"
                 lines.append(f"| {t.workload}: {t.text} | {value} | {t.verdict()} |")
         return "\n".join(lines)
 
@@ -458,9 +464,11 @@ class Summary:
         for w, floors in self.floors.items():
             for m, fl in floors.items():
                 b = fl.bytes
-                out.append(f"{w} {m}: H = {b.half_params:,} half parameters with a master, F = {b.fp32_params:,} kept fp32")
+                out.append(f"{w} {m}: H = {b.half_params:,} half parameters with a master, "
+                           f"F = {b.fp32_params:,} kept fp32")
                 out += [f"    {name}: {n / 1e6:.2f} MB" for name, n in b.components()]
-                out.append(f"    total {b.total / 1e6:.2f} MB / {fl.bandwidth / 1e9:.1f} GB/s = floor {1000 * fl.seconds:.3f} ms")
+                out.append(f"    total {b.total / 1e6:.2f} MB / {fl.bandwidth / 1e9:.1f} GB/s "
+                           f"= floor {1000 * fl.seconds:.3f} ms")
         return "\n".join(out)
 
     def to_json(self) -> dict[str, Any]:
@@ -468,8 +476,8 @@ class Summary:
             "machine": self.machine, "command": self.command, "accelerator": self.accelerator, "size": self.size,
             "rounds": self.rounds, "steps": self.steps, "warmup": self.warmup, "params": self.params,
             "runs": {w: {p: [r.__dict__ for r in runs] for p, runs in by.items()} for w, by in self.runs.items()},
-            "ratios": {w: {f"{m} / {b}": self.ratio(w, m, b).values for m, b in self.ratio_pairs(w)}  # type: ignore[union-attr]
-                       for w in self.runs},
+            "ratios": {w: {f"{m} / {b}": self.ratio(w, m, b).values  # type: ignore[union-attr]
+                           for m, b in self.ratio_pairs(w)} for w in self.runs},
             "floors": {w: {m: {"bytes": f.bytes.total, "components": f.bytes.components(), "bandwidth": f.bandwidth,
                                "floor_seconds": f.seconds, "bare_reused": f.bare_reused, "bare_fresh": f.bare_fresh}
                            for m, f in fl.items()} for w, fl in self.floors.items()},
@@ -539,7 +547,8 @@ class ProfileWindow(L.Callback):
         self._cuda = cuda
         self._on = False
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if batch_idx == self.start - 1:
             self.prof.__enter__()
             self._on = True
@@ -644,7 +653,8 @@ def profile_markdown(w: str, profiles: list[Profile], top: int, cuda: bool) -> s
                   " and unscales the gradients, `MasterWeights.exit` refreshes the half weights.", "",
               "| phase | " + " | ".join(p.precision for p in profiles) + " |", "|---|" + "--:|" * len(profiles)]
     for n in names:
-        lines.append(f"| {n} | " + " | ".join(f"{p.phases[n]:.2f}" if n in p.phases else "–" for p in profiles) + " |")
+        cells = [f"{p.phases[n]:.2f}" if n in p.phases else "–" for p in profiles]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -665,7 +675,8 @@ def add_arguments(p: argparse.ArgumentParser, steps: int = 25, rounds: int = 5) 
     p.add_argument("--accelerator", default="cpu", help="cpu, gpu (cuda), or auto")
     p.add_argument("--size", choices=list(GPT_SIZES), default=None,
                    help="transformer size: tiny, small (default on CPU), gpt2 (default on GPU: GPT-2 small, 124M)")
-    p.add_argument("--dropout", type=float, default=0.0, help="dropout of the transformer (default 0, as in pretraining)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout of the transformer (default 0, as in pretraining)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--precisions", nargs="+", choices=[*ALL_PRECISIONS, "all"],
                    help=f"default: all; on CPU the transformer runs 32-true and the bf16 ones only. {NOMASTER} is "
@@ -673,7 +684,8 @@ def add_arguments(p: argparse.ArgumentParser, steps: int = 25, rounds: int = 5) 
     p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (the issue asks for at least 5)")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run, warm-up included "
                    f"(default {steps} on CPU, 13 on GPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed first steps of each run (default 5 on CPU, 3 on GPU)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed first steps of each run (default 5 on CPU, 3 on GPU)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-floor", action="store_true", help="skip the bandwidth floor")
     p.add_argument("--profile", action="store_true", help="also profile one run per precision (top ops, phases)")
@@ -726,8 +738,13 @@ def configure(args: argparse.Namespace) -> Config:
     return Config(accelerator, size, steps, warmup, workloads, precisions, deadline)
 
 
+def progress(args: argparse.Namespace) -> Callable[[str], None]:
+    """Where progress lines go: stderr (the tables go to stdout), or nowhere with ``--quiet``."""
+    return (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+
+
 def measure(args: argparse.Namespace, cfg: Config, command: str, probe_memory: bool = False) -> Summary:
-    log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))  # noqa: E731
+    log = progress(args)
     params = {}
     for w, wl in cfg.workloads.items():
         with torch.device("meta"):
@@ -764,7 +781,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         print("\n(profile skipped: --max-minutes spent)")
     elif args.profile:
         profile = run_profiles(cfg.workloads, cfg.precisions, cfg.accelerator, cfg.warmup, args.profile_steps, args.top,
-                               log=(lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)))
+                               log=progress(args))
         print("\n" + profile)
     out = {**summary.to_json(), "markdown": text, "profile": profile}
     if args.json:
