@@ -13,10 +13,12 @@ What it does, all in one process:
    time of a run is the median of its steps after ``--warmup`` (CPU), or the mean over the timed window between two
    device syncs (CUDA). Each ratio ``mpt-X / baseline`` is taken per round (both runs of a round saw the same
    machine) and reported as the median over rounds and the spread (min-max).
-2. **Bandwidth floor.** A copy benchmark measures the machine's memory bandwidth for a buffer the size of the
-   model's fp32 master gradients, and the byte model below counts the bytes that the plugin's own work moves per
-   step. The plugin's overhead over the matching "true" precision (``mpt-bf16 - bf16-true``, per round) is printed
-   next to that floor, and next to the time of the same passes as bare torch ops on tensors of the model's shapes.
+2. **Bandwidth floor.** A copy benchmark measures the machine's memory bandwidth (``copy_`` between two 256 MiB
+   buffers, or buffers the size of the model's fp32 master gradients if larger: beyond the caches, as the plugin's
+   data is after a backward pass has streamed the activations through them; the bandwidth at the master gradients'
+   size is printed too), and the byte model below counts the bytes that the plugin's own work moves per step. The
+   plugin's overhead over the matching "true" precision (``mpt-bf16 - bf16-true``, per round) is printed next to
+   that floor, and next to the time of the same passes as bare torch ops on tensors of the model's shapes.
    On the transformer, ``mpt-bf16-nomaster`` (``MPTPrecision("bf16", master_weights=False)``: same autocast, fp32
    norms and step logic, half weights stepped directly) splits that overhead into the master weights' part and
    the rest.
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -235,9 +238,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth(nbytes: int, device: torch.device, reps: int = 15) -> float:
+DRAM_BUFFER = 256 * MiB  # beyond the caches (the 2-core VM of the first runs copies at cache speed up to ~56 MiB)
+
+
+@functools.lru_cache(maxsize=None)
+def copy_bandwidth(nbytes: int, device: torch.device, reps: int = 5) -> float:
     """Bytes per second of ``dst.copy_(src)`` on fp32 buffers of ``nbytes`` (read + write counted): the best of
-    ``reps`` timings, each over enough copies to last about a millisecond."""
+    ``reps`` timings, each over enough copies to last about a millisecond. Cached per size and device."""
     n = max(nbytes // 4, 1 << 18)
     src = torch.ones(n, device=device)
     dst = torch.empty_like(src)
@@ -259,6 +266,8 @@ def copy_bandwidth(nbytes: int, device: torch.device, reps: int = 15) -> float:
             dst.copy_(src)
         _sync(device)
         best = min(best, (time.perf_counter() - t0) / inner)
+    del src, dst
+    release_memory()
     return 2 * 4 * n / best
 
 
@@ -299,7 +308,8 @@ def bare_passes(half_shapes: list, fp32_shapes: list, dtype: torch.dtype, scalin
 class Floor:
     mpt: str
     bytes: ByteModel
-    bandwidth: float  # bytes/s
+    bandwidth: float  # bytes/s of a copy between buffers beyond the caches (DRAM): the floor's
+    bandwidth_model_size: float  # bytes/s of a copy between buffers the size of the fp32 master gradients
     bare_reused: float  # seconds
     bare_fresh: float
 
@@ -308,14 +318,15 @@ class Floor:
         return self.bytes.total / self.bandwidth
 
 
-def measure_floor(wl: Workload, mpt: str, device: torch.device) -> Floor:
+def measure_floor(wl: Workload, mpt: str, device: torch.device, dram_bytes: int = DRAM_BUFFER) -> Floor:
     model, half, fp32 = byte_model(wl, mpt)
     dtype = torch.bfloat16 if mpt == "mpt-bf16" else torch.float16
-    bandwidth = copy_bandwidth(4 * model.half_params, device)
+    dram = copy_bandwidth(max(4 * model.half_params, dram_bytes), device)
+    at_size = copy_bandwidth(4 * model.half_params, device)
     reused = bare_passes(half, fp32, dtype, model.scaling, device, fresh=False)
     fresh = bare_passes(half, fp32, dtype, model.scaling, device, fresh=True)
     release_memory()
-    return Floor(mpt, model, bandwidth, reused, fresh)
+    return Floor(mpt, model, dram, at_size, reused, fresh)
 
 
 # ================================================================================================ summary
@@ -353,6 +364,7 @@ class Summary:
     params: dict[str, int]
     runs: dict[str, dict[str, list[Run]]]
     floors: dict[str, dict[str, Floor]] = field(default_factory=dict)
+    dram_bytes: int = DRAM_BUFFER
 
     def step_times(self, w: str, p: str) -> Spread:
         return Spread([r.seconds for r in self.runs[w][p]])
@@ -424,7 +436,13 @@ class Summary:
                     lines.append(f"| {m} / {b} | {self.ratio(w, m, b).fmt()} |")  # type: ignore[union-attr]
             floors = self.floors.get(w, {})
             if floors:
-                lines += ["", "| plugin overhead | ms/step | plugin bytes/step (byte model) | copy bandwidth | "
+                first = next(iter(floors.values()))
+                dram_mib = max(4 * first.bytes.half_params, self.dram_bytes) / MiB
+                lines += ["", f"Copy bandwidth: {first.bandwidth / 1e9:.1f} GB/s between buffers of {dram_mib:.0f} MiB "
+                              f"(beyond the caches: the floor's), {first.bandwidth_model_size / 1e9:.1f} GB/s between "
+                              f"buffers the size of the fp32 master gradients ({4 * first.bytes.half_params / MiB:.1f} "
+                              "MiB).",
+                          "", "| plugin overhead | ms/step | plugin bytes/step (byte model) | copy bandwidth | "
                               "bandwidth floor | overhead / floor | the byte model's passes as bare torch ops "
                               "(fp32 grads reused / allocated per step) |",
                           "|---|--:|--:|--:|--:|--:|--:|"]
@@ -479,6 +497,7 @@ class Summary:
             "ratios": {w: {f"{m} / {b}": self.ratio(w, m, b).values  # type: ignore[union-attr]
                            for m, b in self.ratio_pairs(w)} for w in self.runs},
             "floors": {w: {m: {"bytes": f.bytes.total, "components": f.bytes.components(), "bandwidth": f.bandwidth,
+                               "bandwidth_model_size": f.bandwidth_model_size,
                                "floor_seconds": f.seconds, "bare_reused": f.bare_reused, "bare_fresh": f.bare_fresh}
                            for m, f in fl.items()} for w, fl in self.floors.items()},
             "targets": [{"workload": t.workload, "target": t.text, "values": t.value.values if t.value else None,
@@ -688,6 +707,9 @@ def add_arguments(p: argparse.ArgumentParser, steps: int = 25, rounds: int = 5) 
                    help="untimed first steps of each run (default 5 on CPU, 3 on GPU)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-floor", action="store_true", help="skip the bandwidth floor")
+    p.add_argument("--bandwidth-mib", type=int, default=DRAM_BUFFER // MiB,
+                   help="buffer size of the copy benchmark (default 256: beyond the caches); the model's fp32 master "
+                   "gradients' size if larger")
     p.add_argument("--profile", action="store_true", help="also profile one run per precision (top ops, phases)")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--top", type=int, default=6, help="ops per precision in the profile table")
@@ -753,13 +775,14 @@ def measure(args: argparse.Namespace, cfg: Config, command: str, probe_memory: b
                       accelerator=cfg.accelerator, probe_memory=probe_memory, deadline=cfg.deadline, log=log)
     rounds = min(len(r) for by in runs.values() for r in by.values())
     summary = Summary(cfg.accelerator, cfg.size, machine(cfg.accelerator), command, rounds, cfg.steps, cfg.warmup,
-                      {w: wl.description for w, wl in cfg.workloads.items()}, params, runs)
+                      {w: wl.description for w, wl in cfg.workloads.items()}, params, runs,
+                      dram_bytes=args.bandwidth_mib * MiB)
     if not args.no_floor:
         device = torch.device("cuda" if cfg.accelerator == "gpu" else "cpu")
         for w, wl in cfg.workloads.items():
             for m in ("mpt-bf16", "mpt-fp16"):
                 if m in runs[w] and TRUE_OF[m] in runs[w]:
-                    summary.floors.setdefault(w, {})[m] = measure_floor(wl, m, device)
+                    summary.floors.setdefault(w, {})[m] = measure_floor(wl, m, device, args.bandwidth_mib * MiB)
         log("bandwidth floor measured")
     return summary
 

@@ -209,7 +209,7 @@ def test_benchmark_gpu_path_on_a_tiny_model(tmp_path: Path) -> None:
     assert set(runs) == set(run_all.step_time.ALL_PRECISIONS)  # on a GPU the fp16 precisions run too
     assert all(r["peak_bytes"] and r["seconds"] > 0 for rs in runs.values() for r in rs)
     assert "self CUDA time" in out["profile"] and "aten::" in out["profile"]
-    assert out["floors"]["transformer"]["mpt-bf16"]["bandwidth"] > 5e10  # HBM: even a 1 MiB copy beats a CPU's
+    assert out["floors"]["transformer"]["mpt-bf16"]["bandwidth"] > 2e11  # HBM: TB/s (a CPU: tens of GB/s)
 
 
 # ------------------------------------------------------------------------------------------------ DDP over NCCL

@@ -130,7 +130,7 @@ def test_benchmark_tables(tmp_path: Path) -> None:
     its tables. Timings are not checked."""
     out = run_all.main([
         "--size", "tiny", "--workloads", "transformer", "--precisions", "all", "--rounds", "2", "--steps", "5",
-        "--warmup", "3", "--no-profile", "--quiet", "--out", str(tmp_path / "bench.md"),
+        "--warmup", "3", "--no-profile", "--bandwidth-mib", "4", "--quiet", "--out", str(tmp_path / "bench.md"),
     ])
     text = out["markdown"]
     assert (tmp_path / "bench.md").read_text().startswith(text)
