@@ -129,8 +129,8 @@ def test_benchmark_tables(tmp_path: Path) -> None:
     the memory table) on the tiny transformer with every precision, as a GPU run would have them: it runs and prints
     its tables. Timings are not checked."""
     out = run_all.main([
-        "--size", "tiny", "--workloads", "transformer", "--precisions", "all", "--rounds", "2", "--steps", "5",
-        "--warmup", "3", "--no-profile", "--bandwidth-mib", "4", "--quiet", "--out", str(tmp_path / "bench.md"),
+        "--size", "tiny", "--workloads", "transformer", "--precisions", "all", "--rounds", "2", "--steps", "4",
+        "--warmup", "2", "--no-profile", "--bandwidth-mib", "4", "--quiet", "--out", str(tmp_path / "bench.md"),
     ])
     text = out["markdown"]
     assert (tmp_path / "bench.md").read_text().startswith(text)
