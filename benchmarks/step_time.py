@@ -442,9 +442,9 @@ class Summary:
                               f"(beyond the caches: the floor's), {first.bandwidth_model_size / 1e9:.1f} GB/s between "
                               f"buffers the size of the fp32 master gradients ({4 * first.bytes.half_params / MiB:.1f} "
                               "MiB).",
-                          "", "| plugin overhead | ms/step | plugin bytes/step (byte model) | copy bandwidth | "
-                              "bandwidth floor | overhead / floor | the byte model's passes as bare torch ops "
-                              "(fp32 grads reused / allocated per step) |",
+                          "", "| plugin overhead | ms/step | plugin bytes/step (byte model) | bandwidth floor "
+                              "(beyond the caches) | overhead / floor | floor at cache speed (the gradients' size) "
+                              "| the byte model's passes as bare torch ops (fp32 grads reused / allocated per step) |",
                           "|---|--:|--:|--:|--:|--:|--:|"]
                 for m, fl in floors.items():
                     rows = [(f"{m} - {TRUE_OF[m]}", self.overhead(w, m), True)]
@@ -456,9 +456,9 @@ class Summary:
                         rel = Spread([v / fl.seconds for v in over.values]).fmt(1) if over and with_floor else "–"
                         floor_cells = "– | – | – | – | –"
                         if with_floor:
-                            floor_cells = (f"{fl.bytes.total / 1e6:.1f} MB | {fl.bandwidth / 1e9:.1f} GB/s | "
-                                           f"{1000 * fl.seconds:.3f} ms | {rel} | {1000 * fl.bare_reused:.3f} / "
-                                           f"{1000 * fl.bare_fresh:.3f} ms")
+                            floor_cells = (f"{fl.bytes.total / 1e6:.1f} MB | {1000 * fl.seconds:.3f} ms | {rel} | "
+                                           f"{1000 * fl.bytes.total / fl.bandwidth_model_size:.3f} ms | "
+                                           f"{1000 * fl.bare_reused:.3f} / {1000 * fl.bare_fresh:.3f} ms")
                         lines.append(f"| {label} | {over.fmt(2, 1000) if over else 'n/a'} | {floor_cells} |")
         worst = max(((s.hi / s.lo - 1, w, p) for w, by in self.runs.items() for p in by
                       for s in [self.step_times(w, p)]), default=None)
@@ -473,7 +473,7 @@ class Summary:
             for t in targets:
                 value = "—"
                 if t.value is not None:
-                    value = t.value.fmt(3) if t.unit == "x" else f"{t.value.fmt(2)} {t.unit}"
+                    value = t.value.fmt(4) if t.unit == "x" else f"{t.value.fmt(2)} {t.unit}"
                 lines.append(f"| {t.workload}: {t.text} | {value} | {t.verdict()} |")
         return "\n".join(lines)
 
