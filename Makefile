@@ -5,7 +5,7 @@ PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.installed
 
-.PHONY: demo test test-floor fuzz docs bench peer clean
+.PHONY: demo test test-floor fuzz docs bench gpu-check peer clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,8 +37,14 @@ fuzz: $(STAMP)  ## the differential fuzz test's long profile: 2000 fresh random 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs serve
 
-bench: $(STAMP)  ## speed and memory against Lightning's built-in precisions (see benchmarks/README.md)
+bench: $(STAMP)  ## speed ratios (5 interleaved rounds), bandwidth floor, memory and profile against Lightning's precisions (benchmarks/README.md)
 	$(PY) benchmarks/run_all.py
+
+gpu-check: $(STAMP)  ## on a CUDA machine: the CUDA tests, then GPT-2 small (124M) per precision: speed, peak memory, profile -> build/gpu-check.md
+	@$(PY) -m pytest -q -m cuda tests/test_cuda.py; tests=$$?; \
+	$(PY) benchmarks/run_all.py --accelerator gpu --max-minutes 5 --out build/gpu-check.md; bench=$$?; \
+	echo "gpu-check: CUDA tests exit $$tests, benchmark exit $$bench; the tables are in build/gpu-check.md"; \
+	test $$tests -eq 0 && test $$bench -eq 0
 
 peer: $(STAMP)  ## Lightning's own tests with MPTPrecision substituted (see docs/compatibility.md)
 	$(PY) -m pip install -q pytest-rerunfailures pytest-timeout scikit-learn

@@ -1,130 +1,123 @@
-"""The benchmark table: step time, bytes per parameter and saved-activation bytes per step, for every precision on
-every benchmark model, on this machine.
+"""The benchmark tables (``make bench``): speed ratios over interleaved rounds with their spread, the plugin's
+overhead next to its bandwidth floor, the targets of issue 12, bytes per parameter and saved activations, and a
+profile of each precision's step.
 
-    python benchmarks/run_all.py                       # CPU: about 5 minutes on 2 cores (fp16 matmuls are slow there)
-    python benchmarks/run_all.py --accelerator gpu --steps 30
-    python benchmarks/run_all.py --update              # also paste the table into benchmarks/README.md and docs/benchmarks.md
+    python benchmarks/run_all.py                         # CPU: about 3-4 minutes on 2 quiet cores
+    python benchmarks/run_all.py --threads 1             # steadier on a CPU that other jobs share
+    python benchmarks/run_all.py --update                # and paste the tables into the README and docs/benchmarks.md
+    python benchmarks/run_all.py --accelerator gpu       # GPT-2 small (124M) on a CUDA GPU (make gpu-check)
+    python benchmarks/run_all.py --size tiny --rounds 2 --steps 6 --warmup 3 --precisions all   # dry run, < 1 minute
 
-For each model of ``benchmarks/common.py`` (``WORKLOADS``) and each precision (Lightning's ``"32-true"``,
-``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"`` and ``MPTPrecision("fp16"/"bf16")``), one run of
-``--steps`` optimizer steps: ``common.time_steps`` gives the median time of the steps after its 5 warm-up steps,
-and ``MemoryProbe`` (from ``examples/memory_breakdown.py``) measures step 2: the bytes of weights, fp32 masters,
-gradients (model and master) and optimizer state per parameter, and the bytes autograd saves for the backward.
+Speed: ``step_time.py``'s rounds (see its docstring for the method, the byte model and the targets). Memory: in
+the first round, ``MemoryProbe`` (from ``examples/memory_breakdown.py``) looks at the last warm-up step of every
+run: the bytes of weights, fp32 masters, gradients (model and master) and optimizer state per parameter, and the
+bytes autograd saves for the backward. On CUDA the peak allocated memory of the timed steps
+(``torch.cuda.max_memory_allocated``) is reported per precision. Profile: one more run per precision under
+``torch.profiler`` (``--no-profile`` skips it).
 
 On CPU, ``"16-mixed"`` is built as ``MixedPrecision("16-mixed", "cpu")`` (real fp16 autocast with a GradScaler):
-``Trainer(precision="16-mixed")`` would switch to bf16 there. CPUs have no fast fp16 matmul, so the fp16 rows of the
-compute-bound model are slow on CPU and say nothing about a GPU; ``benchmarks/step_time.py`` measures speed ratios
-with repeated, interleaved rounds.
+``Trainer(precision="16-mixed")`` would switch to bf16 there. CPUs have no fast fp16 matmul, so on CPU the
+transformer runs "32-true" and the bf16 precisions only (``--precisions all`` runs every one).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import lightning
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "examples"))
-from common import WORKLOADS, time_steps  # noqa: E402
-from example_utils import PRECISIONS, precision_setup  # noqa: E402
-from memory_breakdown import MemoryProbe  # noqa: E402
+import step_time  # noqa: E402
 
 MiB = 2**20
-MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")  # where --update pastes the table
+MARKERS = ("<!-- bench:start -->", "<!-- bench:end -->")  # where --update pastes the tables (both pages)
+PROFILE_MARKERS = ("<!-- profile:start -->", "<!-- profile:end -->")  # the profile (benchmarks/README.md)
 TARGETS = (ROOT / "benchmarks" / "README.md", ROOT / "docs" / "benchmarks.md")
 
 
-def machine(accelerator: str) -> str:
-    """CPU model, cores, torch threads, torch and Lightning versions, and the GPU when one is used."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    threads = torch.get_num_threads()
-    parts = [f"{cpu}, {os.cpu_count()} cores ({threads} torch thread{'s' if threads > 1 else ''})"]
-    if accelerator != "cpu" and torch.cuda.is_available():
-        parts.append(f"GPU {torch.cuda.get_device_name()}")
-    parts.append(f"torch {torch.__version__}, lightning {lightning.__version__}")
-    return ", ".join(parts)
-
-
-def measure(workload: str, precision: str, steps: int, accelerator: str) -> dict[str, Any]:
-    """One run: median seconds per step and the probe's byte counts."""
-    setup = precision_setup(precision, accelerator)
-    probe = MemoryProbe(at_step=2)
-    timer = time_steps(
-        workload, steps, precision=setup.get("precision"), plugin=next(iter(setup.get("plugins", [])), None),
-        callbacks=[probe], accelerator=accelerator,
-    )
-    return {"seconds_per_step": timer.median, **probe.result}
-
-
-def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
-    """Markdown: one row per model and precision."""
+def memory_table(summary: step_time.Summary) -> str:
+    """Markdown: one row per model and precision, bytes per parameter from the first round's probe."""
+    peak = summary.accelerator == "gpu"
     rows = [
-        "| model | precision | ms/step | weights | fp32 masters | grads | master grads | optimizer state "
-        "| total B/param | activations MiB/step | weight copies MiB/step |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| model | precision | weights | fp32 masters | grads | master grads | optimizer state | total B/param "
+        "| activations MiB/step | weight copies MiB/step |" + (" peak allocated MiB |" if peak else ""),
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if peak else ""),
     ]
-    for workload, by_precision in results.items():
-        for precision, r in by_precision.items():
+    for workload, by_precision in summary.runs.items():
+        for precision, runs in by_precision.items():
+            r = runs[0].memory
+            if not r:
+                continue
             n = r["params"]
             per_param = [r[k] / n for k in ("weights", "masters", "grads", "master_grads", "optimizer_state")]
-            rows.append(
-                f"| {workload} ({n / 1e6:.2f}M params) | {precision} | {1000 * r['seconds_per_step']:.1f} | "
-                + " | ".join(f"{v:.2f}" for v in per_param)
+            row = (
+                f"| {workload} | {precision} | " + " | ".join(f"{v:.2f}" for v in per_param)
                 + f" | {sum(per_param):.2f} | {r['activations'] / MiB:.2f} | {r['weight_copies'] / MiB:.2f} |"
             )
+            if peak:
+                row += f" {max(x.peak_bytes or 0 for x in runs) / MiB:.0f} |"
+            rows.append(row)
     return "\n".join(rows)
 
 
-def paste(path: Path, text: str) -> None:
-    """Replace what lies between the two markers in ``path`` with ``text``."""
-    start, end = (re.escape(m) for m in MARKERS)
+def paste(path: Path, text: str, markers: tuple[str, str] = MARKERS) -> None:
+    """Replace what lies between the two ``markers`` in ``path`` with ``text``."""
+    start, end = (re.escape(m) for m in markers)
     old = path.read_text(encoding="utf-8")
-    new, count = re.subn(f"{start}.*?{end}", lambda _: f"{MARKERS[0]}\n{text}\n{MARKERS[1]}", old, flags=re.S)
+    new, count = re.subn(f"{start}.*?{end}", lambda _: f"{markers[0]}\n{text}\n{markers[1]}", old, flags=re.S)
     if count != 1:
-        raise ValueError(f"{path}: expected one {MARKERS[0]} ... {MARKERS[1]} section, found {count}")
+        raise ValueError(f"{path}: expected one {markers[0]} ... {markers[1]} section, found {count}")
     path.write_text(new, encoding="utf-8")
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    """Measure, print the machine line and the table, optionally paste them; return everything measured."""
+    """Measure, print the tables, optionally paste them; return everything measured."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run; the first 5 are warm-up")
-    p.add_argument("--accelerator", default="cpu")
-    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's); 1 steadies CPU timings "
-                   "on a machine that other jobs share")
-    p.add_argument("--json", type=Path, help="also write the raw numbers here")
-    p.add_argument("--update", action="store_true", help=f"paste the table into {', '.join(str(t.relative_to(ROOT)) for t in TARGETS)}")
+    step_time.add_arguments(p)
+    p.add_argument("--no-profile", action="store_true", help="skip the profile runs")
+    p.add_argument("--out", type=Path, help="also write the markdown here")
+    p.add_argument("--update", action="store_true",
+                   help=f"paste the tables into {', '.join(str(t.relative_to(ROOT)) for t in TARGETS)}")
     args = p.parse_args(argv)
-    if args.steps < 6:
-        p.error("--steps must be at least 6: time_steps times the steps after 5 warm-up steps")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    results = {w: {name: measure(w, name, args.steps, args.accelerator) for name in args.precisions} for w in args.workloads}
-    text = f"Machine: {machine(args.accelerator)}. {args.steps - 5} timed steps per run.\n\n{table(results)}"
+    step_time.quiet_lightning()
+    cfg = step_time.configure(args)
+    command = ("python benchmarks/run_all.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
+    summary = step_time.measure(args, cfg, command, probe_memory=True)
+    memory = "Memory at the optimizer step, bytes per parameter (first round, last warm-up step):"
+    text = f"{summary.markdown()}\n\n{memory}\n\n{memory_table(summary)}"
     print(text)
-    if args.json:
-        args.json.write_text(json.dumps({"machine": machine(args.accelerator), "results": results}, indent=2))
+    if summary.floors:
+        print("\nByte model (bytes the plugin's own work moves per optimizer step):\n" + summary.byte_model_text())
+    profile = ""
+    if not args.no_profile and not cfg.time_left():
+        print("\n(profile skipped: --max-minutes spent)")
+    elif not args.no_profile:
+        profile = step_time.run_profiles(cfg.workloads, cfg.precisions, cfg.accelerator, cfg.warmup,
+                                         args.profile_steps, args.top, log=step_time.progress(args))
+        profile = f"Command: `{command}` (profile part).\n\n{profile}"
+        print("\n" + profile)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + ("\n\n" + profile if profile else "") + "\n", encoding="utf-8")
     if args.update:
         for target in TARGETS:
             paste(target, text)
-    return {"machine": machine(args.accelerator), "results": results, "markdown": text}
+        if profile:
+            paste(TARGETS[0], profile, PROFILE_MARKERS)
+    results = {
+        w: {name: {"seconds_per_step": summary.step_times(w, name).median, **(runs[0].memory or {})}
+            for name, runs in by.items()}
+        for w, by in summary.runs.items()
+    }
+    out = {**summary.to_json(), "results": results, "markdown": text, "profile": profile, "summary": summary}
+    if args.json:
+        args.json.write_text(json.dumps({k: v for k, v in out.items() if k != "summary"}, indent=2))
+    return out
 
 
 if __name__ == "__main__":

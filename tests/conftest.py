@@ -17,3 +17,8 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_configure(config):
+    # tests/test_cuda.py: CUDA-only tests (make gpu-check), skipped without a GPU
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (run with `make gpu-check`); skipped otherwise")

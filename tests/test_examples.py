@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,9 @@ import memory_breakdown  # noqa: E402
 import quickstart  # noqa: E402
 import resnet_synthetic  # noqa: E402
 import run_all  # noqa: E402
+import step_time  # noqa: E402
 import vit_static_vs_dynamic  # noqa: E402
+from lightning_mpt import MPTPrecision  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -119,17 +123,83 @@ def test_memory_lightning_precisions(memory: dict[str, dict[str, int]]) -> None:
     assert memory["mpt-fp16"]["activations"] <= memory["16-mixed"]["activations"]
 
 
-def test_benchmark_table(tmp_path: Path) -> None:
-    out = run_all.main(["--workloads", "deep_mlp", "--precisions", "32-true", "mpt-fp16", "--steps", "6"])
-    rows = [line for line in out["markdown"].splitlines() if line.startswith("| deep_mlp")]
-    assert len(rows) == 2 and "| mpt-fp16 |" in rows[1]
-    assert "cores" in out["machine"] and "torch" in out["machine"]
-    mpt = out["results"]["deep_mlp"]["mpt-fp16"]
-    assert mpt["weights"] == 2 * mpt["params"] and mpt["masters"] == 4 * mpt["params"]  # no norm layers
-    assert mpt["seconds_per_step"] > 0
-    # --update pastes the table between the markers, and only there
+def test_benchmark_tables(tmp_path: Path) -> None:
+    """``make bench``'s whole path (interleaved rounds, ratios with their spread, the bandwidth floor, the targets,
+    the memory table) on the tiny transformer with every precision, as a GPU run would have them: it runs and prints
+    its tables. Timings are not checked."""
+    out = run_all.main([
+        "--size", "tiny", "--workloads", "transformer", "--precisions", "all", "--rounds", "2", "--steps", "4",
+        "--warmup", "2", "--no-profile", "--bandwidth-mib", "4", "--quiet", "--out", str(tmp_path / "bench.md"),
+    ])
+    text = out["markdown"]
+    assert (tmp_path / "bench.md").read_text().startswith(text)
+    assert "cores" in text and "torch" in text and "--precisions all" in text  # the machine and the command
+    spread = r"-?\d+\.\d+ \[-?\d+\.\d+–-?\d+\.\d+\]"  # median [min–max]
+    for name in run_all.step_time.ALL_PRECISIONS:
+        assert re.search(rf"^\| {name} \| {spread} \| \d+ \|$", text, re.M), name
+    for ratio in ("mpt-bf16 / bf16-mixed", "mpt-bf16 / bf16-true", "mpt-fp16 / 16-mixed", "mpt-fp16 / 16-true"):
+        assert re.search(rf"^\| {ratio} \| {spread} \|$", text, re.M), ratio
+    floor = rf"\| [\d.]+ MB \| [\d.]+ ms \| {spread} \| [\d.]+ ms \|"  # bytes, floor, overhead / floor, cache floor
+    assert re.search(rf"^\| mpt-bf16 - bf16-true \| {spread} {floor}", text, re.M)
+    assert re.search(rf"^\| mpt-bf16 - mpt-bf16-nomaster \(the master weights\) \| {spread} \| [\d.]+ MB", text, re.M)
+    assert re.search(r"^\| transformer: mpt-bf16 / bf16-true <= 1.0 \| .* \| (met|NOT met)", text, re.M)
+    assert "2x the bandwidth floor" in text
+    # the floor's byte model: 20 B per half parameter and 8 B per fp32 one (bf16), 26 and 8 with fp16's scaler
+    params = out["params"]["transformer"]
+    floors = out["floors"]["transformer"]
+    mpt = out["results"]["transformer"]["mpt-bf16"]
+    half, fp32 = params - mpt["norm_params"], mpt["norm_params"]
+    assert floors["mpt-bf16"]["bytes"] == 20 * half + 8 * fp32
+    assert floors["mpt-fp16"]["bytes"] == 26 * half + 8 * fp32
+    # the memory table: half weights with fp32 masters (norm layers stay fp32), and every precision has a row
+    assert mpt["masters"] == 4 * half and mpt["weights"] == 2 * half + 4 * fp32
+    assert len([line for line in text.splitlines() if line.startswith("| transformer |")]) == 8
+    nomaster = out["results"]["transformer"]["mpt-bf16-nomaster"]  # MPTPrecision("bf16", master_weights=False)
+    assert nomaster["masters"] == 0 and nomaster["weights"] == mpt["weights"]
+    assert all(len(runs) == 2 for runs in out["runs"]["transformer"].values())
+
+
+def test_step_time_profile() -> None:
+    """``step_time.py --profile`` prints the top ops and the step's phases, the plugin's methods among them."""
+    out = step_time.main([
+        "--size", "tiny", "--workloads", "transformer", "--precisions", "bf16-true", "mpt-bf16", "--rounds", "1",
+        "--steps", "4", "--warmup", "2", "--no-floor", "--profile", "--profile-steps", "1", "--quiet",
+    ])
+    profile = out["profile"]
+    assert "| op | bf16-true | mpt-bf16 |" in profile
+    assert re.search(r"^\| `aten::\w+` \| ", profile, re.M)
+    for phase in ("model.forward", "model.backward", "optimizer update", "MasterWeights.prepare"):
+        assert re.search(rf"^\| {re.escape(phase)} \| ", profile, re.M), phase
+
+
+def test_byte_model_and_targets() -> None:
+    """The floor's byte model counts a tied weight once and norm layers as fp32; a target is judged on the median and
+    says when the spread straddles it."""
+    from common import GPT, GPT_SIZES
+
+    model = GPT(GPT_SIZES["tiny"])
+    half, fp32 = step_time.param_split(model, MPTPrecision().keep_fp32)
+    n = sum(p.numel() for p in model.parameters())
+    assert len(half) + len(fp32) == len(list(model.parameters()))  # the LM head shares the embedding: once
+    norm = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters())
+    assert sum(math.prod(s) for s in fp32) == norm and sum(math.prod(s) for s in half) == n - norm
+    bm = step_time.ByteModel(half_params=1000, fp32_params=10, scaling=False)
+    assert bm.total == 20 * 1000 + 8 * 10 and len(bm.components()) == 3
+    assert step_time.ByteModel(1000, 10, scaling=True).total == 26 * 1000 + 8 * 10
+    t = step_time.Target("transformer", "x <= 1.0", step_time.Spread([0.97, 0.99, 1.04]), 1.0)
+    assert t.met and t.verdict() == "met (the spread straddles the limit)"
+    assert step_time.Target("m", "x <= 0.9", step_time.Spread([0.95, 0.93]), 0.9).verdict() == "NOT met"
+
+
+def test_paste_between_markers(tmp_path: Path) -> None:
+    """--update pastes each table between its markers, and only there."""
     page = tmp_path / "page.md"
-    page.write_text(f"intro\n{run_all.MARKERS[0]}\nold\n{run_all.MARKERS[1]}\noutro\n")
-    run_all.paste(page, out["markdown"])
+    page.write_text(f"intro\n{run_all.MARKERS[0]}\nold\n{run_all.MARKERS[1]}\nmiddle\n"
+                    f"{run_all.PROFILE_MARKERS[0]}\nold profile\n{run_all.PROFILE_MARKERS[1]}\noutro\n")
+    run_all.paste(page, "| new table |")
+    run_all.paste(page, "| new profile |", run_all.PROFILE_MARKERS)
     text = page.read_text()
-    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text and rows[1] in text
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    assert "| new table |\n" in text and "| new profile |\n" in text and "\nmiddle\n" in text
+    with pytest.raises(ValueError, match="expected one"):
+        run_all.paste(tmp_path / "page.md", "x", ("<!-- none -->", "<!-- none:end -->"))
