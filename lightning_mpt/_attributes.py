@@ -1,0 +1,123 @@
+"""The public state of a mixed-precision plugin, read from its :class:`~lightning_mpt.engine.MixedPrecisionEngine`.
+
+One definition for every plugin that delegates to the engine (the Fabric plugin today; the Trainer plugin can inherit
+it too), so that the names and their meaning cannot drift apart: the diagnostics read these attributes, whatever
+runs the loop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mpt.engine import MixedPrecisionEngine
+from lightning_mpt.policy import StepRecord
+from lightning_mpt.scaler import DynamicLossScaler
+
+
+class EngineAttributes:
+    """Mixin: the public attributes of a plugin whose ``_engine`` is a :class:`MixedPrecisionEngine`.
+
+    Example:
+        ```python
+        from lightning_mpt.fabric import MPTPrecision
+
+        plugin = MPTPrecision("fp16")
+        assert plugin.loss_scale == 2.0**16 and plugin.skipped_steps == 0 and plugin.last_step is None
+        ```
+    """
+
+    _engine: MixedPrecisionEngine
+    _dtype: torch.dtype
+
+    @property
+    def scaler(self) -> Optional[DynamicLossScaler]:
+        """The loss scaler, ``None`` when not scaling."""
+        return self._engine.policy.scaler
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale in force now (1.0 when not scaling)."""
+        return self._engine.policy.loss_scale
+
+    @property
+    def backward_scale(self) -> float:
+        """The loss scale the pending gradients were computed with (the scale of the latest backward).
+
+        It differs from :attr:`loss_scale` between an optimizer step that changed the scale and the next backward.
+        """
+        return self._engine.policy.backward_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients since the start of training."""
+        return self._engine.policy.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest optimizer step was skipped."""
+        return self._engine.policy.last_step_skipped
+
+    @property
+    def history(self) -> deque[StepRecord]:
+        """One :class:`~lightning_mpt.StepRecord` per optimizer step (the latest 1024)."""
+        return self._engine.policy.history
+
+    @property
+    def last_step(self) -> Optional[StepRecord]:
+        """The record of the latest optimizer step, or ``None`` before the first."""
+        history = self.history
+        return history[-1] if history else None
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        """The half-precision format of the model's weights: ``torch.float16`` or ``torch.bfloat16``."""
+        return self._dtype
+
+    def master_of(self, param: Tensor) -> Tensor:
+        """The fp32 tensor the optimizer steps for the module parameter ``param``: its master, or ``param`` itself
+        when it has none (norm layers, ``master_weights=False``).
+
+        Example:
+            ```python
+            from torch import nn
+            from lightning_mpt.fabric import MPTPrecision
+
+            plugin = MPTPrecision("bf16")
+            model = plugin.convert_module(nn.Linear(2, 2))  # what fabric.setup(model) does first
+            assert plugin.master_of(model.weight).dtype == torch.float32 and model.weight.dtype == torch.bfloat16
+            plugin.restore()
+            ```
+        """
+        return self._engine.masters.master_of(param)
+
+    def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
+        """``(name, half parameter, fp32 master)`` for each parameter with a master, while the module is converted.
+
+        Example:
+            ```python
+            from torch import nn
+            from lightning_mpt.fabric import MPTPrecision
+
+            plugin = MPTPrecision("fp16")
+            plugin.convert_module(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+            assert [(name, p.dtype, m.dtype) for name, p, m in plugin.named_masters()] == [
+                ("0.weight", torch.float16, torch.float32), ("0.bias", torch.float16, torch.float32)
+            ]  # the LayerNorm stays fp32: its parameters are their own masters
+            plugin.restore()
+            ```
+        """
+        return self._engine.masters.named_masters()
+
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
+        """The fp32 tensors that ``optimizer`` steps: masters of half parameters, fp32 parameters themselves."""
+        return self._engine.masters.main_params(_params_of(optimizer))
+
+
+def _params_of(optimizer: Optimizer) -> Iterable[Tensor]:
+    return (p for group in optimizer.param_groups for p in group["params"])

@@ -1,0 +1,366 @@
+"""``MPTPrecision`` for Lightning Fabric: a half-precision model, fp32 master weights owned by the optimizer, a dynamic
+loss scaler, and the skip decision taken before the optimizer runs.
+
+The sibling of the Trainer plugin (:class:`lightning_mpt.MPTPrecision`): the same arguments, the same public
+attributes, the same :class:`~lightning_mpt.engine.MixedPrecisionEngine` underneath. What each Fabric call does:
+
+- ``fabric.setup(model, optimizer)`` casts the model to fp16/bf16 in place (norm layers stay fp32); the fp32 tensors
+  it had become the masters. The optimizer object stays the same: at each step it updates the masters, and its state
+  is fp32.
+- ``model(x)`` runs under autocast; floating outputs come back in fp32, so a loss computed outside the model is fp32.
+- ``fabric.backward(loss)`` multiplies the loss by the scale before backpropagating.
+- ``fabric.clip_gradients(model, optimizer, ...)`` first unscales the gradients into fp32 and decides the step (one
+  host sync, all-reduced across processes), then clips the fp32 gradients the optimizer will step.
+- ``optimizer.step()`` steps the masters and writes them into the half weights, or, when a gradient was non-finite on
+  any process, skips: nothing changes, the scale backs off, the gradients are dropped.
+- ``fabric.save``/``fabric.load``: the model's ``state_dict`` holds the fp32 masters; put the plugin in the state to
+  save the scaler and counters.
+
+Example:
+    ```python
+    import lightning as L
+    import torch
+    from torch import nn
+    from lightning_mpt.fabric import MPTPrecision
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MPTPrecision("bf16")])
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    for _ in range(3):
+        loss = model(torch.randn(32, 8)).pow(2).mean()
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    plugin = fabric.strategy.precision
+    assert model.module[0].weight.dtype == torch.bfloat16 and plugin.master_of(model.module[0].weight).dtype == torch.float32
+    assert len(plugin.history) == 3 and plugin.skipped_steps == 0
+    plugin.restore()  # done: the module is fp32 again and holds the masters
+    assert model.module[0].weight.dtype == torch.float32
+    ```
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
+
+from lightning_mpt import _compat
+from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
+from lightning_mpt._attributes import EngineAttributes, _params_of
+from lightning_mpt.engine import MixedPrecisionEngine
+from lightning_mpt.master import DEFAULT_KEEP_FP32
+from lightning_mpt.policy import NonFiniteGradientError, StepRecord
+from lightning_mpt.scaler import DynamicLossScaler
+
+__all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord"]
+
+_SUPPORTED = (
+    "Supported: a single device and the DDP family (Fabric(strategy='ddp'), 'ddp_spawn', 'ddp_fork', "
+    "'ddp_notebook'). Sharded strategies (FSDP, ModelParallelStrategy/FSDP2, DeepSpeed) bring their own mixed "
+    "precision: use Fabric(precision='16-mixed' or 'bf16-mixed') with them."
+)
+
+
+class MPTPrecision(EngineAttributes, Precision):
+    """Fabric precision plugin: half-precision model, fp32 master weights, dynamic loss scaling, skipped overflows.
+
+    The model's parameters live in fp16/bf16 (norm layers stay fp32) and its forward runs under autocast. The
+    optimizer steps fp32 masters taken from the weights before they were cast; its state is fp32. The loss is scaled
+    before backward; at each optimizer step the half gradients are copied into fp32, unscaled with fused kernels, and
+    the step is decided (one host sync, the same decision on every process) before the optimizer runs: a step with a
+    non-finite gradient is skipped and changes nothing.
+
+    One module per plugin: ``fabric.setup`` a second model raises (put the models in one ``nn.Module``).
+    Supported strategies: one device and DDP.
+
+    Args:
+        precision: ``"fp16"`` or ``"bf16"``.
+        scaler: ``None`` for the default (a :class:`~lightning_mpt.DynamicLossScaler` for fp16, no scaling for bf16),
+            a :class:`~lightning_mpt.DynamicLossScaler`, or a number for a static scale.
+        master_weights: keep fp32 masters. ``False`` steps the half weights directly (same scaler).
+        keep_fp32: module types whose parameters and buffers stay fp32 (all norm layers by default); a class or a
+            tuple of classes.
+        max_consecutive_skips: raise :class:`~lightning_mpt.NonFiniteGradientError` after this many skipped steps in
+            a row of one optimizer.
+
+    Example:
+        ```python
+        import lightning as L
+        from lightning_mpt import DynamicLossScaler
+        from lightning_mpt.fabric import MPTPrecision
+
+        fabric = L.Fabric(accelerator="cpu", plugins=[MPTPrecision("fp16", scaler=DynamicLossScaler(growth_interval=1000))])
+        assert fabric.strategy.precision.loss_scale == 2.0**16
+        ```
+    """
+
+    def __init__(
+        self,
+        precision: Literal["fp16", "bf16"] = "fp16",
+        *,
+        scaler: Union[DynamicLossScaler, float, None] = None,
+        master_weights: bool = True,
+        keep_fp32: Union[type[Module], tuple[type[Module], ...]] = DEFAULT_KEEP_FP32,
+        max_consecutive_skips: int = 50,
+    ) -> None:
+        dtype, scaler, keep_fp32 = check_arguments(precision, scaler, master_weights, keep_fp32, max_consecutive_skips)
+        self.precision = LIGHTNING_NAMES[precision]  # type: ignore[assignment]
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set from the module
+        self.master_weights = master_weights
+        self.keep_fp32 = keep_fp32
+        self.max_consecutive_skips = max_consecutive_skips
+        self._dtype = dtype
+        self._engine = MixedPrecisionEngine(
+            dtype, scaler, master_weights, keep_fp32, max_consecutive_skips, on_edits=self._report_edits
+        )
+        self._module: Optional[Module] = None  # the converted module
+        self._params: set[Tensor] = set()  # its parameters at conversion, to notice a strategy that replaced them
+        self._ready = False  # masters moved next to their parameters (Fabric moves the module after converting it)
+        self._synced = True  # masters made equal across processes (at the first backward, where all ranks meet)
+        self._adopted: list[Optimizer] = []
+        self._reported_edits: set[str] = set()
+
+    # ------------------------------------------------------------------ model set-up and teardown
+    def convert_module(self, module: Module) -> Module:
+        """Cast ``module`` to the half format in place (``fabric.setup`` calls it first); its fp32 tensors become the
+        masters."""
+        if module is self._module:
+            return module
+        if self._module is not None:
+            raise ValueError(
+                f"MPTPrecision holds the fp32 masters of one module and already converted a "
+                f"{type(self._module).__name__}; `fabric.setup` was called with a second one ({type(module).__name__}). "
+                "Set the models up as one module (for example an nn.ModuleDict with both) or call "
+                "`fabric.strategy.precision.restore()` when done with the first."
+            )
+        self._engine.convert(module)
+        self._module = module
+        self._params = set(module.parameters())
+        self._ready = False
+        self._synced = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        return module
+
+    def adopt(self, *optimizers: Optimizer) -> None:
+        """Take charge of ``optimizers`` now rather than at their first step.
+
+        An optimizer is adopted at its first step anyway; adopt it before ``fabric.load`` restores its state, so that
+        the state is loaded into fp32 exactly (torch casts loaded optimizer state to the dtype of the parameters it
+        finds in the optimizer, which are half outside the step). ``fabric.setup``'s wrapped optimizers are accepted.
+
+        Example:
+            ```python
+            import lightning as L
+            from torch import nn
+            from lightning_mpt.fabric import MPTPrecision
+
+            mpt = MPTPrecision("bf16")
+            fabric = L.Fabric(accelerator="cpu", plugins=[mpt])
+            model = nn.Linear(4, 4)
+            model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters()))
+            mpt.adopt(optimizer)  # then fabric.load(path, {"model": model, "optimizer": optimizer, "mpt": mpt})
+            mpt.restore()
+            ```
+        """
+        for optimizer in optimizers:
+            self._adopt(_unwrap(optimizer))
+
+    def restore(self) -> None:
+        """End mixed precision for the module: it gets fp32 parameters equal to the masters (edits of its half weights
+        since the last step adopted first), the optimizers step it directly again, and the plugin forgets it.
+
+        Fabric has no end-of-training hook, so call it when training is done (``fabric.strategy.precision.restore()``);
+        Fabric's ``strategy.teardown()`` calls it too. The plugin's counters and scaler are kept.
+        """
+        self._engine.restore()
+        self._module = None
+        self._params = set()
+        self._adopted.clear()
+        self._ready, self._synced = False, True
+
+    def teardown(self) -> None:
+        """Fabric's teardown hook (``strategy.teardown()``): :meth:`restore`."""
+        self.restore()
+
+    # ------------------------------------------------------------------ forward and backward
+    def forward_context(self) -> Any:
+        """Autocast to the half format (matmuls in half, softmax/losses/norms in fp32), for ``model(x)`` and
+        ``fabric.autocast()``."""
+        return self._forward_context()
+
+    @contextmanager
+    def _forward_context(self) -> Generator[None, None, None]:
+        self._ensure_ready()
+        self._engine.masters.release_stepped(drop_module_grads=False)  # the last step's fp32 grads are not needed now
+        with torch.autocast(self.device, dtype=self._dtype, cache_enabled=False):
+            yield
+
+    def convert_output(self, data: Any) -> Any:
+        """Floating outputs of the model come back in the default dtype (fp32), so that a loss computed outside the
+        model is not computed in half precision."""
+        dtype = torch.get_default_dtype()
+        return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """Backpropagate ``tensor`` multiplied by the loss scale (``fabric.backward(loss)``)."""
+        self._ensure_ready()
+        if not self._synced:
+            self._sync_masters()
+        self._engine.scale_loss(tensor).backward(*args, **kwargs)
+
+    # ------------------------------------------------------------------ the optimizer step
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale ``optimizer``'s gradients into fp32 and decide its step (once per step; ``fabric.clip_gradients``
+        calls it before clipping).
+
+        On a step decided skipped (a non-finite gradient on some process) the gradients are dropped here already:
+        clipping then finds none, returns a norm of 0 instead of raising on the non-finite one, and the step is
+        skipped. :attr:`last_step` tells afterwards, with the names of the parameters at fault.
+        """
+        optimizer = self._checked(optimizer)
+        pending = self._engine.decide(optimizer)
+        if pending.skipped:
+            self._engine.masters.discard(pending.prepared)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step the masters with ``optimizer``, or skip the step when a gradient was non-finite on any process.
+
+        A ``closure`` (``optimizer.step(closure)``) is run first and its gradients decided, so an optimizer that
+        ignores it still steps the right gradients; LBFGS, which re-evaluates it, works without a scaler (bf16).
+        """
+        optimizer = self._checked(optimizer)
+        closure: Optional[Callable[[], Any]] = kwargs.pop("closure", None)
+        if closure is None:
+            return self._engine.finish(optimizer, self._engine.decide(optimizer), **kwargs)
+        if isinstance(optimizer, LBFGS):
+            if self.scaler is not None:
+                raise ValueError(
+                    "MPTPrecision with a loss scaler does not support torch.optim.LBFGS: LBFGS re-evaluates the loss "
+                    "inside step(), where scaled gradients cannot be checked and unscaled (as with Fabric's "
+                    "'16-mixed'). Use MPTPrecision('bf16') (no scaler), a first-order optimizer, or '32-true'."
+                )
+            return self._engine.step_in_closure(optimizer, closure, lambda: None, **kwargs)
+        result = closure()
+        return self._engine.finish(optimizer, self._engine.decide(optimizer), lambda: result, **kwargs)
+
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
+        """The fp32 tensors that ``optimizer`` steps (what ``fabric.clip_gradients`` clips): masters of half
+        parameters, fp32 parameters themselves."""
+        self._ensure_ready()
+        return self._engine.masters.main_params(_params_of(_unwrap(optimizer)))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler and the counters; put the plugin in ``fabric.save``'s state to save them (Fabric saves no
+        precision state of its own)."""
+        return {"precision": self.precision, "master_weights": self.master_weights, **self._engine.policy.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (``fabric.load`` calls it for the plugin's entry in the state)."""
+        warning = self._engine.policy.load_state_dict(state_dict)
+        if warning:
+            rank_zero_warn(f"MPTPrecision: {warning}")
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_ready(self) -> None:
+        """Once after set-up: refuse a strategy that replaced the parameters, move the masters next to them."""
+        if self._ready or self._module is None:
+            return
+        params = list(self._module.parameters())
+        if any(p not in self._params for p in params):
+            raise ValueError(
+                "MPTPrecision: the module's parameters were replaced after it was converted, by a sharding strategy "
+                f"(or by code that swapped them after fabric.setup); its fp32 masters no longer match. {_SUPPORTED}"
+            )
+        self._engine.masters.follow_devices()
+        if params:
+            self.device = params[0].device.type
+        self._ready = True
+
+    def _sync_masters(self) -> None:
+        """Make every process hold the masters of rank 0. DDP made the half weights equal at set-up (rank 0's), so the
+        half weights are left alone: a forward's graph may hold them."""
+        masters = [m for _, _, m in self._engine.masters.named_masters()]
+        groups: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for m in masters:
+            groups[m.device].append(m)
+        for group in groups.values():
+            flat = torch.cat([m.detach().reshape(-1) for m in group])
+            dist.broadcast(flat, src=0)
+            with torch.no_grad():
+                _compat.foreach_copy_(group, [t.view_as(m) for t, m in zip(flat.split([m.numel() for m in group]), group)])
+        self._synced = True
+
+    def _checked(self, optimizer: Any) -> Optimizer:
+        optimizer = _unwrap(optimizer)
+        self._ensure_ready()
+        self._adopt(optimizer)
+        return optimizer
+
+    def _adopt(self, optimizer: Any) -> None:
+        if any(optimizer is known for known in self._adopted):
+            return
+        if not isinstance(optimizer, Optimizer):
+            raise ValueError(
+                f"MPTPrecision steps torch optimizers; the strategy handed it a {type(optimizer).__name__}. {_SUPPORTED}"
+            )
+        self._warn_if_state_was_rounded(optimizer)
+        self._engine.adopt(optimizer)
+        self._adopted.append(optimizer)
+
+    def _warn_if_state_was_rounded(self, optimizer: Optimizer) -> None:
+        """State that steps have built (``step`` > 0) in the half format was loaded while the plugin did not know the
+        optimizer: torch cast it to the parameters' dtype. Say so, and how to load it exactly."""
+        masters = self._engine.masters
+        rounded = []
+        for p in _params_of(optimizer):
+            state = optimizer.state.get(p)
+            if not state or masters.master_of(p) is p:
+                continue
+            step = state.get("step")
+            halves = [k for k, v in state.items() if k != "step" and isinstance(v, Tensor) and v.dtype == self._dtype]
+            if halves and step is not None and float(step) > 0:
+                rounded.append(masters.name_of(p))
+        if rounded:
+            shown = ", ".join(rounded[:5]) + (f" and {len(rounded) - 5} more" if len(rounded) > 5 else "")
+            rank_zero_warn(
+                f"MPTPrecision: the state of {type(optimizer).__name__} for {shown} is in {self._dtype}: it was loaded "
+                "(fabric.load) before the plugin knew the optimizer, and torch cast it to the half-precision parameters' "
+                "dtype, so the run does not resume exactly. Call `fabric.strategy.precision.adopt(optimizer)` after "
+                "`fabric.setup` and before `fabric.load`."
+            )
+
+    def _report_edits(self, names: list[str]) -> None:
+        new = [n for n in names if n not in self._reported_edits]
+        if new:
+            self._reported_edits.update(new)
+            rank_zero_info(
+                f"MPTPrecision: the half-precision weights of {', '.join(new)} were edited in place outside the "
+                "optimizer step (a clamp, a renormalisation, a weight average); the edits were copied into the fp32 "
+                "masters, rounded to the half format. To edit at full precision, edit "
+                "`fabric.strategy.precision.master_of(param)` instead."
+            )
+
+    def __repr__(self) -> str:
+        name = "fp16" if self._dtype == torch.float16 else "bf16"
+        return f"MPTPrecision({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The torch optimizer behind Fabric's wrapper (what ``fabric.setup`` returns); Fabric hands the plugin the raw
+    one, users may hand it either. The wrapper is a class made on the fly in ``lightning.fabric.wrappers``."""
+    if type(optimizer).__module__ == "lightning.fabric.wrappers" and isinstance(getattr(optimizer, "optimizer", None), Optimizer):
+        return optimizer.optimizer
+    return optimizer

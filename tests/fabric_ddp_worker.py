@@ -1,0 +1,102 @@
+"""A 2-process CPU (gloo) Fabric loop for tests/test_fabric.py; each rank writes what it saw to ``OUT/rank<r>.json``.
+
+usage: python fabric_ddp_worker.py OUT [--inject-step K] [--inject-rank R] [--accumulate N] [--steps S]
+
+``Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[MPTPrecision("fp16")])``. The ranks start from
+different weights on purpose (DDP makes the half weights equal, the plugin the masters) and see different data.
+Each optimizer step accumulates ``N`` micro-batches under ``fabric.no_backward_sync`` (the last one syncs); after
+the last backward of step ``K`` rank ``R`` writes an inf into one gradient. Per step a rank records the scale the
+step ran at, whether it was skipped, the culprits, a SHA-1 of its fp32 masters, of its half weights and of its
+optimizer state, and the bytes its DDP communication hook all-reduced.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+
+from lightning_mpt.fabric import MPTPrecision  # noqa: E402
+
+
+def sha1(tensors: list[torch.Tensor]) -> str:
+    flat = torch.cat([t.detach().float().flatten() for t in tensors]) if tensors else torch.zeros(0)
+    return hashlib.sha1(flat.numpy().tobytes()).hexdigest()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out", type=Path)
+    p.add_argument("--inject-step", type=int, default=-1)
+    p.add_argument("--inject-rank", type=int, default=1)
+    p.add_argument("--accumulate", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    mpt = MPTPrecision("fp16")
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[mpt])
+    fabric.launch()
+    rank = fabric.global_rank
+    torch.manual_seed(1000 + rank)  # different initial weights per rank
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))  # no norm layer: every parameter is half
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+
+    communicated = [0]
+
+    def count_and_allreduce(state: list, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        state[0] += buf.numel() * buf.element_size()
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model._forward_module.register_comm_hook(communicated, count_and_allreduce)
+
+    g = torch.Generator().manual_seed(rank)
+    rows = []
+    for step in range(args.steps):
+        for micro in range(args.accumulate):
+            x = torch.randn(8, 16, generator=g)
+            y = torch.randn(8, 4, generator=g)
+            with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
+                loss = nn.functional.mse_loss(model(x), y)
+                fabric.backward(loss)
+        if step == args.inject_step and rank == args.inject_rank:
+            model.module[2].weight.grad.view(-1)[0] = math.inf
+        optimizer.step()
+        optimizer.zero_grad()
+        record = mpt.last_step
+        state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        rows.append(
+            {
+                "step": step,
+                "scale": record.scale,
+                "skipped": record.skipped,
+                "culprits": record.nonfinite_params,
+                "masters_sha1": sha1(mpt.main_params(optimizer)),
+                "weights_sha1": sha1(list(model.parameters())),
+                "state_sha1": sha1(state),
+                "param_dtypes": sorted({str(q.dtype) for q in model.parameters()}),
+                "state_dtypes": sorted({str(v.dtype) for v in state if v.ndim > 0}),
+                "bytes": communicated[0],
+                "loss_scale_after": mpt.loss_scale,
+            }
+        )
+        communicated[0] = 0
+    path = args.out / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows))
+    os.replace(tmp, path)  # atomic: the test never reads a half-written file
+
+
+if __name__ == "__main__":
+    main()
