@@ -1,8 +1,7 @@
 """The public state of a mixed-precision plugin, read from its :class:`~lightning_mpt.engine.MixedPrecisionEngine`.
 
-One definition for every plugin that delegates to the engine (the Fabric plugin today; the Trainer plugin can inherit
-it too), so that the names and their meaning cannot drift apart: the diagnostics read these attributes, whatever
-runs the loop.
+One definition for every plugin that delegates to the engine (the Trainer plugin and the Fabric plugin), so that the
+names and their meaning cannot drift apart: the diagnostics read these attributes, whatever runs the loop.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_mpt.engine import MixedPrecisionEngine
 from lightning_mpt.policy import StepRecord
@@ -34,6 +35,10 @@ class EngineAttributes:
 
     _engine: MixedPrecisionEngine
     _dtype: torch.dtype
+    _reported_edits: set[str]
+    master_weights: bool
+    #: how user code reaches the plugin, for messages
+    _access: str = "the precision plugin"
 
     @property
     def scaler(self) -> Optional[DynamicLossScaler]:
@@ -117,6 +122,23 @@ class EngineAttributes:
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
         """The fp32 tensors that ``optimizer`` steps: masters of half parameters, fp32 parameters themselves."""
         return self._engine.masters.main_params(_params_of(optimizer))
+
+
+    def _report_edits(self, names: list[str]) -> None:
+        """Say once per parameter that in-place edits of its half weights were adopted by its master."""
+        new = [n for n in names if n not in self._reported_edits]
+        if new:
+            self._reported_edits.update(new)
+            rank_zero_info(
+                f"MPTPrecision: the half-precision weights of {', '.join(new)} were edited in place outside the "
+                "optimizer step (a clamp, a renormalisation, a weight average); the edits were copied into the fp32 "
+                f"masters, rounded to the half format. To edit at full precision, edit `{self._access}.master_of(param)` "
+                "instead."
+            )
+
+    def __repr__(self) -> str:
+        name = "fp16" if self._dtype == torch.float16 else "bf16"
+        return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
 
 
 def _params_of(optimizer: Optimizer) -> Iterable[Tensor]:

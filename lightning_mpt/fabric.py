@@ -51,7 +51,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
@@ -106,6 +106,8 @@ class MPTPrecision(EngineAttributes, Precision):
         assert fabric.strategy.precision.loss_scale == 2.0**16
         ```
     """
+
+    _access = "fabric.strategy.precision"
 
     def __init__(
         self,
@@ -341,21 +343,6 @@ class MPTPrecision(EngineAttributes, Precision):
                 "dtype, so the run does not resume exactly. Call `fabric.strategy.precision.adopt(optimizer)` after "
                 "`fabric.setup` and before `fabric.load`."
             )
-
-    def _report_edits(self, names: list[str]) -> None:
-        new = [n for n in names if n not in self._reported_edits]
-        if new:
-            self._reported_edits.update(new)
-            rank_zero_info(
-                f"MPTPrecision: the half-precision weights of {', '.join(new)} were edited in place outside the "
-                "optimizer step (a clamp, a renormalisation, a weight average); the edits were copied into the fp32 "
-                "masters, rounded to the half format. To edit at full precision, edit "
-                "`fabric.strategy.precision.master_of(param)` instead."
-            )
-
-    def __repr__(self) -> str:
-        name = "fp16" if self._dtype == torch.float16 else "bf16"
-        return f"MPTPrecision({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
 
 
 def _unwrap(optimizer: Any) -> Any:

@@ -78,7 +78,7 @@ class PreparedGrads:
     found_inf: Optional[Tensor] = None  # 0-dim, > 0 when a gradient was non-finite; None when no gradients
     edited: Optional[Tensor] = None  # per entry of ``params``: whether its half weight was edited since the last step
     entered: bool = False  # whether the optimizer holds the masters now
-    master_versions: list[int] = field(default_factory=list)  # of the master grads at enter, to notice clipping
+    master_versions: list[int] = field(default_factory=list)  # of the master grads as prepared, to notice clipping
 
     def all_params(self) -> list[Tensor]:
         return self.params + self.own_params
@@ -319,6 +319,8 @@ class MasterWeights:
         if not _compat.GRAD_DTYPE and out.shown:
             _compat.foreach_copy_(out.shown, out.master_grads)  # hooks see the unscaled values, in the half format
         out.shown_versions = [_compat.version(g) for g in out.shown]
+        # from here on, a change to a master gradient (clipping) is shown on the parameter at exit (torch < 2.13)
+        out.master_versions = [_compat.version(g) for g in out.master_grads]
         return out
 
     def _to_fp32(self, out: PreparedGrads, start: int, stop: int, check_edits: bool) -> Tensor:
@@ -390,7 +392,6 @@ class MasterWeights:
         """Hand the masters to ``optimizer`` for its step."""
         self.sync_edits(prepared)
         self.swap_groups(optimizer, True)
-        prepared.master_versions = [_compat.version(g) for g in prepared.master_grads]
         prepared.entered = True
 
     def exit(self, optimizer: Optimizer, prepared: PreparedGrads, stepped: bool) -> None:

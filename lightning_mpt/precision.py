@@ -8,11 +8,10 @@ fp32 copy), :class:`~lightning_mpt.policy.StepPolicy` (scale, decide, guard) and
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Union
 
 import torch
 from torch import Tensor
@@ -24,9 +23,10 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mpt import _compat
+from lightning_mpt._attributes import EngineAttributes
 from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
 from lightning_mpt.engine import MixedPrecisionEngine
 from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights
@@ -37,7 +37,7 @@ __all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strate
 
 
 
-class MPTPrecision(Precision):
+class MPTPrecision(EngineAttributes, Precision):
     """Mixed precision with a half-precision model, fp32 master weights and dynamic loss scaling.
 
     The model's parameters live in fp16/bf16 (norm layers stay fp32) and the forward runs under autocast. The
@@ -97,85 +97,7 @@ class MPTPrecision(Precision):
         self._reported_edits: set[str] = set()
         self._swa: list[Any] = []  # StochasticWeightAveraging callbacks adapted to the masters
 
-    # ------------------------------------------------------------------ public state
-    @property
-    def scaler(self) -> Optional[DynamicLossScaler]:  # type: ignore[override]
-        """The loss scaler, ``None`` when not scaling (``trainer.scaler`` returns it)."""
-        return self._policy.scaler
-
-    @property
-    def loss_scale(self) -> float:
-        """The loss scale in force now (1.0 when not scaling)."""
-        return self._policy.loss_scale
-
-    @property
-    def backward_scale(self) -> float:
-        """The loss scale the pending gradients were computed with (the scale of the latest backward).
-
-        It differs from :attr:`loss_scale` between an optimizer step that changed the scale and the next backward.
-        """
-        return self._policy.backward_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped for non-finite gradients since the start of training."""
-        return self._policy.skipped_steps
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the latest optimizer step was skipped."""
-        return self._policy.last_step_skipped
-
-    @property
-    def history(self) -> deque[StepRecord]:
-        """One :class:`StepRecord` per optimizer step (the latest 1024)."""
-        return self._policy.history
-
-    @property
-    def last_step(self) -> Optional[StepRecord]:
-        """The record of the latest optimizer step, or ``None`` before the first."""
-        return self.history[-1] if self.history else None
-
-    @property
-    def half_dtype(self) -> torch.dtype:
-        """The half-precision format of the model's weights: ``torch.float16`` or ``torch.bfloat16``."""
-        return self._dtype
-
-    def master_of(self, param: Tensor) -> Tensor:
-        """The fp32 tensor the optimizer steps for the module parameter ``param``: its master, or ``param`` itself
-        when it has none (norm layers, ``master_weights=False``).
-
-        Example:
-            ```python
-            from torch import nn
-
-            plugin = MPTPrecision("bf16")
-            model = plugin.convert_module(nn.Linear(2, 2))
-            assert plugin.master_of(model.weight).dtype == torch.float32 and model.weight.dtype == torch.bfloat16
-            plugin.teardown()
-            ```
-        """
-        return self._masters.master_of(param)
-
-    def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
-        """``(name, half parameter, fp32 master)`` for each parameter with a master (during a stage).
-
-        Example:
-            ```python
-            from torch import nn
-
-            plugin = MPTPrecision("fp16")
-            plugin.convert_module(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))  # what Trainer does at setup
-            for name, param, master in plugin.named_masters():
-                print(name, param.dtype, master.dtype)  # 0.weight torch.float16 torch.float32 (LayerNorm stays fp32)
-            plugin.teardown()
-            ```
-        """
-        return self._masters.named_masters()
-
-    def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
-        """The fp32 tensors that ``optimizer`` steps: masters of half parameters, fp32 parameters themselves."""
-        return self._masters.main_params(p for group in optimizer.param_groups for p in group["params"])
+    _access = "trainer.precision_plugin"
 
     # ------------------------------------------------------------------ model set-up and teardown
     def convert_module(self, module: Module) -> Module:
@@ -277,17 +199,6 @@ class MPTPrecision(Precision):
         after()  # the hooks and clipping see unscaled gradients
         return self._engine.finish(optimizer, pending, lambda: closure_result, **kwargs)
 
-    def _report_edits(self, names: list[str]) -> None:
-        new = [n for n in names if n not in self._reported_edits]
-        if new:
-            self._reported_edits.update(new)
-            rank_zero_info(
-                f"MPTPrecision: the half-precision weights of {', '.join(new)} were edited in place outside the "
-                "optimizer step (a clamp, a renormalisation, a weight average); the edits were copied into the fp32 "
-                "masters, rounded to the half format. To edit at full precision, edit "
-                "`trainer.precision_plugin.master_of(param)` instead."
-            )
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {"precision": self.precision, "master_weights": self.master_weights, **self._policy.state_dict()}
@@ -296,10 +207,6 @@ class MPTPrecision(Precision):
         warning = self._policy.load_state_dict(state_dict)
         if warning:
             rank_zero_warn(f"MPTPrecision: {warning}")
-
-    def __repr__(self) -> str:
-        name = "fp16" if self._dtype == torch.float16 else "bf16"
-        return f"MPTPrecision({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

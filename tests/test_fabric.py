@@ -333,11 +333,6 @@ def test_the_module_gradients_show_the_unscaled_values_and_after_the_step_the_cl
     else:  # a half copy, unscaled (a gradient scaled by 1024 would be far larger); Fabric clipped the masters
         assert weight.grad.dtype == torch.float16 and 1e-3 < biggest < 1
     opt.step()
-    if grad_dtype == "grads-half" and float(weight.grad.abs().max()) > 1e-3 * (1 + 2**-10):
-        # MasterWeights.exit copies the stepped master gradients into the half ones only if they changed after enter();
-        # Fabric (and the Trainer) clip before enter(), so on torch < 2.13 p.grad keeps the unclipped values after
-        # the step (the step itself is right: the masters were clipped). Core fix: record master_versions in prepare().
-        pytest.xfail("torch < 2.13 path: the half gradients do not show the clipping after the step (core, master.py)")
     assert float(weight.grad.abs().max()) <= 1e-3 * (1 + 2**-10)  # after the step: what was stepped, in its format
     assert torch.equal(weight.grad, recorder.steps[0][0].to(weight.grad.dtype))
 
