@@ -154,8 +154,6 @@ class MasterWeights:
                 master = p.data if p.dtype == torch.float32 else p.data.float()
                 grad = p.grad
                 _point(p, master.to(self.dtype), None if grad is None else grad.to(self.dtype))
-                if _compat.GRAD_DTYPE:
-                    p.grad_dtype = None  # may carry its fp32 gradient at the step (see prepare())
                 self._converted[p] = None
                 if self.enabled:
                     self._masters[p] = master
@@ -184,6 +182,8 @@ class MasterWeights:
             if grad is not None and grad.dtype != torch.float32:
                 grad = master.grad if master.grad is not None and grad.shape == master.shape else grad.float()
             p.grad = None
+            if _compat.GRAD_DTYPE:
+                p.grad_dtype = torch.float32  # it was switched at the step; an fp32 parameter takes fp32 gradients
             p.data = master.to(data.device)
             if grad is not None:
                 p.grad = grad
@@ -340,7 +340,7 @@ class MasterWeights:
             flags = _edited(params, masters, scratch)
         shown = fp32 if _compat.GRAD_DTYPE else halves
         for p, m, f, g in zip(params, masters, fp32, shown):
-            p.grad = g
+            _carry(p, g)
             m.grad = f
         out.master_grads.extend(fp32)
         out.shown.extend(shown)
@@ -422,12 +422,9 @@ class MasterWeights:
         for p, m in self._masters.items():
             g = p.grad
             if sync:
-                if g is not None and g.dtype != p.dtype:
-                    p.grad = g.to(p.dtype)
-            elif g is None:
-                p.grad = torch.zeros_like(m)
-            elif g.dtype != torch.float32:
-                p.grad = g.float()
+                _carry(p, None if g is None else g.to(p.dtype))
+            elif g is None or g.dtype != torch.float32:
+                _carry(p, torch.zeros_like(m) if g is None else g.float())
 
     def unprepare(self, prepared: PreparedGrads, scale: float) -> None:
         """Undo :meth:`prepare` for a step that will not be taken now (another backward comes first): the gradients
@@ -439,13 +436,15 @@ class MasterWeights:
         for p, m, g in zip(prepared.params, prepared.masters, prepared.master_grads):
             m.grad = None
             if p.grad is not None:  # the master gradient holds what clipping left (also where p.grad is a half copy)
-                p.grad = g.mul_(scale).to(p.dtype)
+                _carry(p, g.mul_(scale).to(p.dtype))
 
     def discard(self, prepared: PreparedGrads) -> None:
         """A skipped step: drop every gradient it prepared, the parameters' own included."""
         for m in prepared.masters:
             m.grad = None
-        for p in prepared.all_params():
+        for p in prepared.params:
+            _carry(p, None)
+        for p in prepared.own_params:
             p.grad = None
 
     def release_stepped(self, drop_module_grads: bool) -> None:
@@ -459,8 +458,10 @@ class MasterWeights:
         for prepared in self._stepped:
             for p, m, mg in zip(prepared.params, prepared.masters, prepared.master_grads):
                 m.grad = None
-                if p.grad is mg:
-                    p.grad = None if drop_module_grads else mg.to(p.dtype)
+                g = p.grad
+                if g is mg:
+                    g = None if drop_module_grads else mg.to(p.dtype)
+                _carry(p, g)
         self._stepped.clear()
 
 
@@ -543,6 +544,19 @@ def _rebuild_over_masters(optimizer: Optimizer, masters: dict[Tensor, Tensor]) -
             stacklevel=2,
         )
         return None
+
+
+def _carry(p: Tensor, grad: Optional[Tensor]) -> None:
+    """Give the half parameter ``p`` the gradient ``grad``. One of another dtype (its fp32 gradient at the step) needs
+    ``grad_dtype = None`` (torch >= 2.13); otherwise the parameter's own dtype is pinned again, so that autograd casts
+    what it accumulates there (and DDP's reducer gets the dtype it insists on)."""
+    if _compat.GRAD_DTYPE:
+        if grad is not None and grad.dtype != p.dtype:
+            p.grad_dtype = None
+        elif p.grad_dtype != p.dtype:
+            p.grad = None  # a gradient of the other dtype may still be there
+            p.grad_dtype = p.dtype
+    p.grad = grad
 
 
 def _write_halves(params: list[Tensor], masters: list[Tensor]) -> None:
