@@ -77,7 +77,8 @@ class GradientHistogramMonitor(Monitor):
         self._val_groups: list[tuple[str, list[tuple[str, Tensor]]]] = []
 
     def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.exponent_stat, self._table = None, None
+        self.value_stat = ValueHistograms(self.bins, owner="GradientHistogramMonitor", strict=self.strict)
+        self.exponent_stat, self._table, self._val_groups = None, None, []
         if not self.sink.active:
             return
         plugin = trainer.precision_plugin

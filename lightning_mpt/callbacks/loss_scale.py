@@ -164,22 +164,11 @@ class LossScaleMonitor(Monitor):
         after = scaler.get_scale()
         self._scale = after
         overflow = after < pending.scale  # GradScaler backs off at every overflow, and only then
-        loss_finite = None
-        if overflow and isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), Tensor):
-            loss_finite = bool(torch.isfinite(outputs["loss"]).all())
-
-        def names() -> list[str]:
-            if pending.flags is not None and pending.names is not None:
-                return [n for n, bad in zip(pending.names, pending.flags.tolist()) if bad]
-            if pl_module is None:
-                return []
-            named = [(n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None]
-            if not named:
-                return []
-            bad = (~torch.isfinite(max_abs([g for _, g in named]))).tolist()  # one sync, overflow steps only
-            return [n for (n, _), b in zip(named, bad) if b]
-
-        self.scale_log.step(self.sink, pending.step, pending.scale, after, overflow, names, loss_finite)
+        names: list[str] = []
+        loss_finite: Optional[bool] = None
+        if overflow and self.sink.active:
+            names, loss_finite = _overflow_causes(pending, outputs, pl_module)
+        self.scale_log.step(self.sink, pending.step, pending.scale, after, overflow, lambda: names, loss_finite)
 
     def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._mode == "grad_scaler":
@@ -209,3 +198,28 @@ class LossScaleMonitor(Monitor):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scale_log.overflows = int(state_dict.get("overflows", 0))
         self.scale_log.overflow_counts = Counter(state_dict.get("overflow_counts", {}))
+
+
+def _overflow_causes(
+    pending: _Pending, outputs: Any, pl_module: Optional[pl.LightningModule]
+) -> tuple[list[str], Optional[bool]]:
+    """At a GradScaler overflow step: the parameters with non-finite gradients and whether the loss was finite
+    (``None``: unknown), with one host read for both."""
+    candidates: list[str] = []
+    flags: Optional[Tensor] = None
+    if pending.flags is not None and pending.names is not None:
+        candidates, flags = pending.names, pending.flags
+    elif pl_module is not None:
+        named = [(n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None]
+        if named:
+            candidates = [n for n, _ in named]
+            flags = ~torch.isfinite(max_abs([g for _, g in named]))
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+    parts = [] if flags is None else [flags.float().reshape(-1)]
+    if isinstance(loss, Tensor):
+        parts.append(torch.isfinite(loss.detach()).all().float().reshape(1))
+    if not parts:
+        return [], None
+    values = torch.cat([p.to(parts[0].device) for p in parts]).tolist()  # one host read, overflow steps only
+    names = [n for n, bad in zip(candidates, values) if bad]
+    return names, (values[-1] > 0 if isinstance(loss, Tensor) else None)

@@ -176,8 +176,10 @@ class UnderflowMonitor(Monitor):
             self.reference_stat = FlushReference(table.names, fmt, device=pl_module.device, **common)
 
     # ------------------------------------------------------------------------------------------------ hooks
+    # The reference's hooks depend only on the cadence and the table, the same on every rank, never on whether a
+    # statistic failed on this rank: every rank must reach the decision before the reference's collective.
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.on and due(trainer.global_step, self._reference_every):
+        if self.group is not None and self._table is not None and due(trainer.global_step, self._reference_every):
             self._replay = _Replay(batch, batch_idx, _rng_state())  # the state this batch's training_step starts from
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -189,11 +191,11 @@ class UnderflowMonitor(Monitor):
         stat.measure(self.recorder, table.grads(), trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
-        if not self.on or self._table is None:
+        if self.group is None or self._table is None:
             return
         step = trainer.global_step
         stat = self.update_stat
-        if stat is not None and stat.enabled and self.sink.active and due(step, self._every):
+        if self.on and stat is not None and stat.enabled and self.sink.active and due(step, self._every):
             stat.snapshot(self._table.masters(trainer.precision_plugin), step)
         if due(step, self._reference_every):  # every rank, also where the reference failed: they decide together
             replay, self._replay = self._replay, None
@@ -239,7 +241,8 @@ class UnderflowMonitor(Monitor):
                 self.warn_once(
                     "reference",
                     "UnderflowMonitor: the fp32 reference step "
-                    + ("returned no loss to differentiate" if no_loss else "failed on another process")
+                    + ("returned no loss to differentiate" if no_loss
+                       else "had no batch to replay" if replay is None else "failed on another process")
                     + "; flush fractions and scale headroom are off for the rest of this run.",
                 )
             return
