@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mpt import _compat
+from lightning_mpt.numerics import max_abs
 
 # parameters of these modules stay fp32: normalisation statistics and affine parameters are precision-sensitive
 DEFAULT_KEEP_FP32: tuple[type[nn.Module], ...] = (
@@ -89,7 +90,7 @@ class PreparedGrads:
     def nonfinite_mask(self) -> Optional[Tensor]:
         """Per-parameter flags (aligned with :meth:`all_params`) of non-finite gradients, on device, no sync."""
         grads = self.fp32_grads()
-        return ~torch.isfinite(torch.stack(_compat.foreach_max_abs(grads))) if grads else None
+        return ~torch.isfinite(max_abs(grads)) if grads else None
 
 
 @dataclass
@@ -526,7 +527,7 @@ def _edited(params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) 
     in ``scratch``, which is overwritten)."""
     _compat.foreach_copy_(scratch, masters)
     _compat.foreach_sub_(scratch, params)
-    return torch.stack(_compat.foreach_max_abs(scratch)) != 0
+    return max_abs(scratch) != 0
 
 
 def _rebuild_over_masters(optimizer: Optimizer, masters: dict[Tensor, Tensor]) -> Optional[Optimizer]:

@@ -38,6 +38,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_mpt._compat import foreach_norm
+
 __all__ = [
     "BF16",
     "FP16",
@@ -280,17 +282,29 @@ def update_underflow_counts(
 
 # ------------------------------------------------------------------------------------------------ value statistics
 def max_abs(tensors: Sequence[Tensor]) -> Tensor:
-    """``max |x|`` of each tensor as a float32 vector (inf or NaN when a tensor holds them), with one foreach
-    kernel per device and dtype. No host sync."""
+    """``max |x|`` of each tensor as a float32 vector (inf or NaN when a tensor holds them; 0 for an empty tensor),
+    with one foreach kernel per device and dtype. No host sync.
+
+    Example:
+        ```python
+        import torch
+        from lightning_mpt.numerics import max_abs
+        m = max_abs([torch.tensor(-3.0), torch.empty(0), torch.tensor([1.0, float("inf")])])
+        assert m.tolist() == [3.0, 0.0, float("inf")]   # a 0-dim tensor, an empty one, an inf
+        ```
+    """
     if not tensors:
         return torch.zeros(0)
+    device = tensors[0].device
     out: list[Optional[Tensor]] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    device = tensors[0].device
+        if t.numel() == 0:
+            out[i] = torch.zeros((), device=device)  # the infinity norm of nothing is undefined in torch: no value
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(i)
     for idx in groups.values():
-        for i, n in zip(idx, torch._foreach_norm([tensors[i].detach() for i in idx], math.inf)):
+        for i, n in zip(idx, foreach_norm([tensors[i].detach() for i in idx], math.inf)):
             out[i] = n.float().to(device)
     return torch.stack(out)  # type: ignore[arg-type]
 
@@ -308,7 +322,7 @@ def value_histograms(groups: Sequence[Sequence[Tensor]], bins: int = 32) -> Tens
     out = torch.zeros(len(groups), 5 + bins, dtype=torch.float64, device=device)
     inf = torch.full((), math.inf, device=device)
     for row, group in zip(out, groups):
-        flat = [t.detach().reshape(-1).float().to(device) for t in group]
+        flat = [t.detach().reshape(-1).float().to(device) for t in group if t.numel()]
         if not flat:
             row[0], row[1] = inf, -inf
             continue

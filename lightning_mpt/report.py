@@ -4,7 +4,10 @@ was lost: the logic behind ``lightning-mpt report``, usable from Python.
 The event files are read with TensorBoard's own reader (``EventMultiplexer``, every scalar kept). Every directory
 under the log directory that holds event files is a run; runs without ``mpt/`` tags are listed in
 :attr:`Report.ignored`. All steps are optimizer steps, counted from 0 with skipped steps included (the x axis of
-the monitors).
+the monitors). The names of the parameters with inf/NaN gradients, whether the loss was finite and a stop by
+``MPTPrecision``'s guard come from the monitors' **records** (JSON in tensor summaries under ``mpt/data/``, see
+:mod:`lightning_mpt.tags`), never from the Markdown texts meant for people. Every tag name comes from
+:mod:`lightning_mpt.tags`.
 
 Example:
     ```python
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -32,7 +34,8 @@ from typing import Any, Optional, Union
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
-from lightning_mpt.callbacks import dashboard as tags
+from lightning_mpt import tags
+from lightning_mpt.callbacks.sink import decode_record
 from lightning_mpt.numerics import BF16, FP16, FloatFormat
 
 __all__ = [
@@ -52,7 +55,7 @@ __all__ = [
     "summarize",
 ]
 
-PREFIX = "mpt/"
+PREFIX = tags.PREFIX
 _FORMATS = (FP16, BF16)
 # per-parameter tags that rank the layers, best evidence first: the flush fraction (fp32 reference) sees the values
 # the half format lost; without a reference, a large subnormal share is where flushing starts; zeros come last
@@ -64,18 +67,15 @@ UNDERFLOW_TAGS = {
 }
 _SIZE_GUIDANCE = {
     event_accumulator.SCALARS: 0,  # 0: keep every point
-    event_accumulator.TENSORS: 0,  # text summaries
+    event_accumulator.TENSORS: 0,  # the records (mpt/data/*) and texts
     event_accumulator.HISTOGRAMS: 1,  # the reservoir always keeps the last one: the "last logged gradients"
     event_accumulator.COMPRESSED_HISTOGRAMS: 1,
     event_accumulator.IMAGES: 1,
     event_accumulator.AUDIO: 1,
 }
-_TEXT_SUFFIX = "/text_summary"  # where SummaryWriter.add_text puts a text
-_NAME = re.compile(r"`([^`]+)`")
-_MORE = re.compile(r" and \d+ more$")
-_SUMMARY_ROW = re.compile(r"^\| `([^`]+)` \| (\d+) \|$", re.M)
 
 Series = list[tuple[int, float]]
+Records = list[tuple[int, dict[str, Any]]]
 
 
 class ReportError(ValueError):
@@ -133,16 +133,21 @@ class ExponentHistogram:
 
 @dataclass
 class RunData:
-    """What was read from one run's event files: its ``mpt/`` scalars and texts and the last exponent histograms."""
+    """What was read from one run's event files: its ``mpt/`` scalars, its records (``mpt/data/*``, decoded JSON
+    objects in step order) and the last exponent histograms."""
 
     name: str  # path relative to the log directory ("." for the log directory itself)
     path: Path
     scalars: dict[str, Series]
-    texts: dict[str, list[tuple[int, str]]]
+    records: dict[str, Records]
     exponents: Optional[ExponentHistogram]
 
     def series(self, tag: str) -> Series:
         return self.scalars.get(tag, [])
+
+    def record_list(self, tag: str) -> list[dict[str, Any]]:
+        """The records of ``tag`` (e.g. :data:`lightning_mpt.tags.SKIP_RECORD`), in step order."""
+        return [r for _, r in self.records.get(tag, [])]
 
     def per_parameter(self, tag: str) -> dict[str, Series]:
         """``{parameter name: series}`` of the tags ``<tag>/<parameter name>``."""
@@ -164,7 +169,8 @@ class RunSummary:
     loss_nonfinite_steps: int  # skipped steps whose loss itself was inf/NaN
     scale: Optional[Stats]  # mpt/loss_scale over its logged points
     nonfinite_params: dict[str, int]  # parameter -> skipped steps with an inf/NaN gradient in it, most first
-    nonfinite_names_complete: bool  # False when a step's text listed only the first names ("and N more")
+    nonfinite_names_complete: bool  # False when some skipped steps have no record of their names
+    stopped: Optional[dict[str, Any]]  # the guard stopped training: {"step", "error", "message"}, else None
     underflow_tag: Optional[str]  # the per-parameter tag that ranks the layers (UNDERFLOW_TAGS, first present)
     worst_underflow: list[Ranked]  # by mean of underflow_tag, worst first (all parameters)
     flush: Optional[Stats]  # mpt/grad_underflow_fraction (fp32 reference steps)
@@ -229,7 +235,7 @@ def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
     runs, ignored = [], []
     for name in names:
         run = _read_run(name, root / name, mux.GetAccumulator(name))
-        if run.scalars or run.texts or run.exponents is not None:
+        if run.scalars or run.records or run.exponents is not None:
             runs.append(run)
         else:
             ignored.append(name)
@@ -239,14 +245,14 @@ def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
 def _read_run(name: str, path: Path, acc: event_accumulator.EventAccumulator) -> RunData:
     found = acc.Tags()
     scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in found["scalars"] if t.startswith(PREFIX)}
-    texts = {
-        t[: -len(_TEXT_SUFFIX)]: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(t)]
-        for t in found["tensors"]
-        if t.startswith(PREFIX) and t.endswith(_TEXT_SUFFIX)
-    }
-    exponent_tags = [t for t in found["histograms"] if t.startswith(tags.GRAD_EXPONENT + "/")]
+    try:
+        record_tags = sorted(acc.PluginTagToContent(tags.PLUGIN_NAME))  # the records: found by their plugin name
+    except KeyError:  # no records in this run
+        record_tags = []
+    records = {t: [(e.step, decode_record(e.tensor_proto)) for e in acc.Tensors(t)] for t in record_tags}
+    exponent_tags = [t for t in found["histograms"] if tags.parameter_of(tags.GRAD_EXPONENT, t)]
     last = {t: acc.Histograms(t)[-1] for t in exponent_tags}
-    return RunData(name, path, scalars, texts, _last_exponents(last))
+    return RunData(name, path, scalars, records, _last_exponents(last))
 
 
 def _last_exponents(last: dict[str, Any]) -> Optional[ExponentHistogram]:
@@ -255,7 +261,7 @@ def _last_exponents(last: dict[str, Any]) -> Optional[ExponentHistogram]:
         return None
     step = max(e.step for e in last.values())
     decoded = {
-        tag[len(tags.GRAD_EXPONENT) + 1 :]: h
+        tags.parameter_of(tags.GRAD_EXPONENT, tag): h
         for tag, e in sorted(last.items())
         if e.step == step and (h := decode_exponent_histogram(e.histogram_value, step)) is not None
     }
@@ -305,7 +311,7 @@ def decode_exponent_histogram(h: Any, step: int) -> Optional[ExponentHistogram]:
 # ---------------------------------------------------------------------------------------------------- summaries
 def summarize(run: RunData) -> RunSummary:
     """The summary of one run: steps, skips, scale statistics, the first overflow, the parameters most often
-    non-finite, the layers with the worst underflow and the update underflow.
+    non-finite, a stop by the guard, the layers with the worst underflow and the update underflow.
 
     Example:
         ```python
@@ -319,20 +325,29 @@ def summarize(run: RunData) -> RunSummary:
     skipped_series = run.series(tags.SKIPPED_STEPS)
     # the cumulative count also covers steps before a resume; without it count the 0/1 flags
     skipped = int(skipped_series[-1][1]) if skipped_series else sum(v > 0 for _, v in overflow)
-    names, complete = _nonfinite_params(run)
+    skips = run.record_list(tags.SKIP_RECORD)
+    names, complete = _nonfinite_params(run, skipped)
+    if skips:
+        first_overflow = min(r["step"] for r in skips)
+        loss_nonfinite = sum(r.get("loss_finite") is False for r in skips)
+    else:  # a run logged without records (no TensorBoard logger for them): the scalars
+        first_overflow = next((s for s, v in overflow if v > 0), None)
+        loss_nonfinite = sum(v > 0 for _, v in run.series(tags.LOSS_NONFINITE))
+    stops = run.record_list(tags.STOP_RECORD)
     underflow_tag = next((t for t in UNDERFLOW_TAGS if run.per_parameter(t)), None)
     return RunSummary(
         run=run.name,
         path=str(run.path),
-        format=run.exponents.format if run.exponents is not None else _format_from_marks(run),
+        format=_format(run),
         steps=steps,
         skipped_steps=skipped,
         skipped_share=skipped / steps if steps else 0.0,
-        first_overflow_step=next((s for s, v in overflow if v > 0), None),
-        loss_nonfinite_steps=sum(v > 0 for _, v in run.series(tags.LOSS_NONFINITE)),
+        first_overflow_step=first_overflow,
+        loss_nonfinite_steps=loss_nonfinite,
         scale=Stats.of(run.series(tags.LOSS_SCALE)),
         nonfinite_params=names,
         nonfinite_names_complete=complete,
+        stopped={k: stops[-1].get(k) for k in ("step", "error", "message")} if stops else None,
         underflow_tag=underflow_tag,
         worst_underflow=_ranked(run, underflow_tag) if underflow_tag else [],
         flush=Stats.of(run.series(tags.GRAD_UNDERFLOW)),
@@ -348,26 +363,34 @@ def _ranked(run: RunData, tag: str) -> list[Ranked]:
     return sorted(ranked, key=lambda r: (-r.stats.mean, r.name))
 
 
-def _nonfinite_params(run: RunData) -> tuple[dict[str, int], bool]:
-    """Per parameter, the skipped steps its gradient was non-finite at, from LossScaleMonitor's texts.
+def _nonfinite_params(run: RunData, skipped: int) -> tuple[dict[str, int], bool]:
+    """Per parameter, the skipped steps its gradient was non-finite at, and whether every skipped step is counted.
 
-    Each skipped step's text names at most ``max_names`` parameters; the end-of-training summary counts all names
-    of its rows exactly, so its counts win where it has them (it is missing when training stopped on an error).
+    The end-of-training summary record counts every skipped step of the run, also those before a resume (the
+    monitor's checkpointed counts); without it (training ended on an error other than the guard, or is still
+    running) the skipped-step records of this log are counted.
     """
-    counts: Counter[str] = Counter()
-    complete = True
-    for _, text in run.texts.get(tags.NONFINITE_TEXT, []):
-        listed = text.partition("; loss")[0].partition("gradients: ")[2]
-        counts.update(_NAME.findall(listed))
-        complete &= _MORE.search(listed) is None
-    for _, text in run.texts.get(tags.OVERFLOW_SUMMARY, [])[-1:]:
-        for name, n in _SUMMARY_ROW.findall(text):
-            counts[name] = int(n)
+    summaries = run.record_list(tags.SUMMARY_RECORD)
+    if summaries:
+        counts = {str(k): int(v) for k, v in summaries[-1].get("params", {}).items()}
+        complete = True
+    else:
+        skips = run.record_list(tags.SKIP_RECORD)
+        counts = dict(Counter(name for r in skips for name in r.get("params", [])))
+        complete = len(skips) >= skipped
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))), complete
 
 
+def _format(run: RunData) -> Optional[str]:
+    """fp16 or bf16: from the run record, else the exponent histograms, else the format marks."""
+    for record in reversed(run.record_list(tags.RUN_RECORD)):
+        if record.get("format"):
+            return str(record["format"])
+    return run.exponents.format if run.exponents is not None else _format_from_marks(run)
+
+
 def _format_from_marks(run: RunData) -> Optional[str]:
-    marks = run.series(f"{tags.FORMAT_MARKS}/min_subnormal_exponent")
+    marks = run.series(tags.MIN_SUBNORMAL_EXPONENT)
     if not marks:
         return None
     return next((f.name for f in _FORMATS if f.min_exponent == round(marks[-1][1])), None)
@@ -386,7 +409,7 @@ def build_report(logdir: Union[str, Path]) -> Report:
     """
     data, ignored = load_runs(logdir)
     if not data:
-        raise ReportError(f"{logdir}: no mpt/ tags in the event files of {', '.join(ignored)}; expected a run trained "
+        raise ReportError(f"{logdir}: no {PREFIX} tags in the event files of {', '.join(ignored)}; expected a run trained "
                           "with lightning_mpt's callbacks (LossScaleMonitor, UnderflowMonitor, "
                           "GradientHistogramMonitor) and a TensorBoardLogger.")
     return Report(str(logdir), [summarize(r) for r in data], data, ignored)
@@ -408,6 +431,7 @@ def format_text(report: Report, top: int = 5) -> str:
         ("skipped steps", [f"{r.skipped_steps} ({_pct(r.skipped_share)})" for r in runs]),
         ("first overflow at step", [_opt(r.first_overflow_step) for r in runs]),
         ("skips with non-finite loss", [str(r.loss_nonfinite_steps) for r in runs]),
+        ("stopped by the guard at step", [_opt(r.stopped and r.stopped.get("step")) for r in runs]),
         ("loss scale min", [format_scale(r.scale and r.scale.min) for r in runs]),
         ("loss scale median", [format_scale(r.scale and r.scale.median) for r in runs]),
         ("loss scale max", [format_scale(r.scale and r.scale.max) for r in runs]),
@@ -425,10 +449,14 @@ def format_text(report: Report, top: int = 5) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     for r, name in zip(runs, head[1:]):
         lines += ["", f"{name}:"]
+        if r.stopped is not None:
+            first = str(r.stopped.get("message") or "").strip().splitlines()[:1]
+            lines.append(f"  stopped at step {r.stopped.get('step')} by {r.stopped.get('error')}"
+                         + (f": {first[0]}" if first else ""))
         lines += _listing("parameters most often non-finite (skipped steps)",
                           [f"{n}: {c}" for n, c in r.nonfinite_params.items()], top)
         if not r.nonfinite_names_complete:
-            lines.append("    (some skipped steps listed only their first names: counts are lower bounds)")
+            lines.append("    (some skipped steps have no record of their names: counts are lower bounds)")
         if r.underflow_tag is None:
             lines.append("  worst underflow by layer: not logged (UnderflowMonitor with per_parameter=True)")
         else:
@@ -440,7 +468,7 @@ def format_text(report: Report, top: int = 5) -> str:
                           [f"{x.name}: {_mean_last(x.stats)}" for x in r.worst_update_underflow if x.stats.max > 0],
                           top, "none above 0%")
     if report.ignored:
-        lines += ["", f"no mpt/ tags, not reported: {', '.join(report.ignored)}"]
+        lines += ["", f"no {PREFIX} tags, not reported: {', '.join(report.ignored)}"]
     return "\n".join(lines)
 
 

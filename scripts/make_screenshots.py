@@ -171,9 +171,11 @@ def write_report(logdir: Path, out: Path) -> None:
 
 def screenshot(logdir: Path, path: Path, steps: int, chromium: str, size: str, budget_ms: int) -> None:
     """Screenshot the "Mixed precision" dashboard once TensorBoard serves every run's whole scale series."""
+    from lightning_mpt import tags
+
     with serve_tensorboard(logdir) as url:
         for run in ("dynamic", "unscaled"):
-            wait_for(lambda run=run: get_json(url, "/data/plugin/scalars/scalars", run=run, tag="mpt/loss_scale"),
+            wait_for(lambda run=run: get_json(url, "/data/plugin/scalars/scalars", run=run, tag=tags.LOSS_SCALE),
                      lambda points: len(points) == steps)
         with tempfile.TemporaryDirectory() as profile:
             command = [

@@ -19,6 +19,7 @@ def _seed():
     yield
 
 
-def pytest_configure(config):
-    # tests/test_cuda.py: CUDA-only tests (make gpu-check), skipped without a GPU
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (run with `make gpu-check`); skipped otherwise")
+# Diagnostics run strict in the tests: an internal error in a monitor raises instead of the one-time warning that
+# turns the statistic off (a test that wants the lenient behaviour passes strict=False). Set in the environment, so
+# that subprocesses (DDP workers, the console script) inherit it.
+os.environ["LIGHTNING_MPT_STRICT_DIAGNOSTICS"] = "1"

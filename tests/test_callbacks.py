@@ -9,23 +9,26 @@ import lightning as L
 import pytest
 import torch
 import torchmetrics
+from host_syncs import HostSyncCounter
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from models import TinyMLP, quiet_trainer, regression_data
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.custom_scalar import layout_pb2
+from tb_events import layouts, read_events, records, series, texts
 from torch import nn
 
-from lightning_mpt import DynamicLossScaler, MPTPrecision
+from lightning_mpt import DynamicLossScaler, MPTPrecision, NonFiniteGradientError
 from lightning_mpt.callbacks import (
     CATEGORY,
+    DiagnosticsWarning,
     GradientHistogramMonitor,
     LossScaleMonitor,
     TensorCoreCheck,
     UnderflowMonitor,
     tensor_core_report,
 )
-from lightning_mpt.callbacks._common import shared
+from lightning_mpt.callbacks._common import Monitor
+from lightning_mpt.callbacks.sink import Sink
+from lightning_mpt.callbacks.statistics import STRICT_ENV, Recorder, Statistic
 from lightning_mpt.numerics import FP16, flush_counts
 
 HALF_PARAMS = ["net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"]  # TinyMLP without its LayerNorm
@@ -39,24 +42,6 @@ FRACTION_TAGS = [
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-def read_events(log_dir: Any) -> EventAccumulator:
-    ea = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
-    ea.Reload()
-    return ea
-
-
-def series(ea: EventAccumulator, tag: str) -> list[tuple[int, float]]:
-    return [(e.step, e.value) for e in ea.Scalars(tag)]
-
-
-def texts(ea: EventAccumulator, tag: str) -> list[tuple[int, str]]:
-    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in ea.Tensors(tag + "/text_summary")]
-
-
-def layouts(ea: EventAccumulator) -> list[layout_pb2.Layout]:
-    return [layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in ea.Tensors("custom_scalars__config__")]
-
-
 class InjectNonFinite(L.Callback):
     """Write inf/NaN into one named parameter's gradient after backward at chosen optimizer steps."""
 
@@ -371,12 +356,24 @@ def test_bf16_and_csv_logger_fallback(tmp_path):
     assert monitors[1].last_reference.flush_fraction == 0.0  # bf16 keeps tiny values
 
 
+class QueueProbe(L.Callback):
+    """After every monitor's batch end: how much the monitors' read-out still holds."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor, self.queued = monitor, []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.queued.append(len(self.monitor.recorder))
+
+
 def test_without_logger_warns_and_trains(tmp_path):
     monitors = [LossScaleMonitor(), GradientHistogramMonitor(every_n_steps=1), UnderflowMonitor(every_n_steps=1)]
-    trainer = quiet_trainer(plugins=[MPTPrecision("fp16")], callbacks=monitors, max_steps=2)
+    probe = QueueProbe(monitors[0])
+    trainer = quiet_trainer(plugins=[MPTPrecision("fp16")], callbacks=[*monitors, probe], max_steps=2)
     with pytest.warns(UserWarning, match="no logger"):
         trainer.fit(TinyMLP(), regression_data())
-    assert trainer.global_step == 2 and len(shared(trainer).readout) == 0
+    assert trainer.global_step == 2 and probe.queued == [0, 0]  # nothing measured for nobody
+    assert all(m.group is None for m in monitors)  # the group is dissolved at teardown
 
 
 def test_full_precision_plugin_warns(tmp_path):
@@ -397,22 +394,37 @@ def test_group_by_module(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------- host syncs
-def test_one_host_sync_per_logging_step_for_all_statistics(tmp_path, monkeypatch):
-    """Every monitor logging every step, reference included: one ``.tolist()`` more per step than without them."""
-    calls = {"n": 0}
-    for name in ("tolist", "item"):
-        original = getattr(torch.Tensor, name)
+@pytest.mark.parametrize(
+    "read",
+    [bool, float, int, lambda t: t.item(), lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.numpy(), lambda t: t.nonzero(), lambda t: torch.nonzero(t), lambda t: t.unique(),
+     lambda t: [1, 2][t], lambda t: torch.masked_select(t, t > 0)],
+    ids=["bool", "float", "int", "item", "tolist", "cpu", "numpy", "nonzero", "torch.nonzero", "unique",
+         "index", "masked_select"],
+)
+def test_sync_counter_counts_every_host_read(read):
+    t = torch.ones((), dtype=torch.long)
+    with HostSyncCounter() as syncs:
+        read(t)
+    assert syncs.count == 1
+    with HostSyncCounter() as syncs:
+        t + 1, t.to(torch.float64), torch.stack([t, t]).sum(), t.device  # device work only
+    assert syncs.count == 0
 
-        def counted(self, *args, _original=original, **kwargs):
-            calls["n"] += 1
-            return _original(self, *args, **kwargs)
 
-        monkeypatch.setattr(torch.Tensor, name, counted)
+MONITOR_ORDERS = {
+    "loss-hist-underflow": (0, 1, 2),
+    "underflow-loss-hist": (2, 0, 1),  # the barrier does not depend on which monitor reports last
+}
+
+
+@pytest.mark.parametrize("order", MONITOR_ORDERS.values(), ids=MONITOR_ORDERS.keys())
+def test_one_host_sync_per_logging_step_for_all_statistics(tmp_path, order):
+    """Every monitor logging every step, reference included: one host read more per step than without them."""
 
     def syncs_per_run(callbacks: list, sub: str) -> int:
-        calls["n"] = 0
-        fit(TinyMLP(), tmp_path / sub, callbacks, MPTPrecision("fp16"), steps=6, log_every_n_steps=100)
-        return calls["n"]
+        with HostSyncCounter() as syncs:
+            fit(TinyMLP(), tmp_path / sub, callbacks, MPTPrecision("fp16"), steps=6, log_every_n_steps=100)
+        return syncs.count
 
     base = syncs_per_run([], "base")
     monitors = [
@@ -420,7 +432,7 @@ def test_one_host_sync_per_logging_step_for_all_statistics(tmp_path, monkeypatch
         GradientHistogramMonitor(every_n_steps=1),
         UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1),
     ]
-    assert syncs_per_run(monitors, "all") - base == 6
+    assert syncs_per_run([monitors[i] for i in order], "all") - base == 6
 
 
 # -------------------------------------------------------------------------------------------- arguments, misc
@@ -462,3 +474,230 @@ def test_loss_scale_monitor_state_roundtrip():
     other = LossScaleMonitor()
     other.load_state_dict(m.state_dict())
     assert other.overflows == 3 and other.overflow_counts == {"a.weight": 3}
+
+
+# ------------------------------------------------------------ edge cases: no model shape stops the monitors
+class ScalarParam(L.LightningModule):
+    """One zero-dimensional parameter: the whole half-precision table is a single 0-dim tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(x.sum(1) * self.w, y[:, 0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class OddParams(L.LightningModule):
+    """A used layer, an unused one (no gradient), a frozen one (no gradient, not stepped) and an empty parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused, self.frozen = nn.Linear(16, 4), nn.Linear(16, 4), nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.used(self.frozen(x)), y) + self.empty.sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+class NormOnly(L.LightningModule):
+    """Only a LayerNorm: no parameter is computed in half precision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.norm(x)[:, :4], y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+EDGE_PLUGINS = {
+    "fp16": lambda: MPTPrecision("fp16"),
+    "bf16": lambda: MPTPrecision("bf16"),
+    "16-mixed": lambda: MixedPrecision("16-mixed", "cpu"),
+}
+MEASURED = {ScalarParam: ["w"], OddParams: ["used.weight", "used.bias"], NormOnly: []}
+
+
+@pytest.mark.parametrize("plugin", EDGE_PLUGINS, ids=list(EDGE_PLUGINS))
+@pytest.mark.parametrize("model_class", MEASURED, ids=lambda c: c.__name__)
+def test_every_statistic_on_edge_case_models(tmp_path, model_class, plugin):
+    """Strict (the suite's default): any internal error in a monitor fails the test."""
+    monitors = [
+        LossScaleMonitor(),
+        GradientHistogramMonitor(every_n_steps=1),
+        UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1),
+    ]
+    measured = MEASURED[model_class]
+    if measured:
+        trainer, ea = fit(model_class(), tmp_path, monitors, EDGE_PLUGINS[plugin](), steps=3)
+    else:
+        with pytest.warns(UserWarning, match="no parameter is computed in"):
+            trainer, ea = fit(model_class(), tmp_path, monitors, EDGE_PLUGINS[plugin](), steps=3)
+    assert trainer.global_step == 3
+    scalars = set(ea.Tags()["scalars"])
+    assert [s for s, _ in series(ea, "mpt/loss_scale")] == [0, 1, 2]
+    for tag in ("mpt/grad_zero_fraction", "mpt/grad_underflow_fraction", "mpt/update_underflow_fraction"):
+        assert {t for t in scalars if t.startswith(tag + "/")} == {f"{tag}/{n}" for n in measured}
+        assert (tag in scalars) == bool(measured)
+    histograms = set(ea.Tags()["histograms"])
+    assert {t for t in histograms if t.startswith("mpt/grad_exponent/")} == {f"mpt/grad_exponent/{n}" for n in measured}
+    assert {"mpt/grad/" + n for n in measured} <= histograms
+    if measured:
+        ref = monitors[2].last_reference
+        assert ref.step == 2 and set(measured) <= set(ref.names)
+        assert ref.nonzero.shape == ref.flushed.shape == ref.max_scaled.shape == (len(ref.names),)  # 1-D, also for one
+
+
+# --------------------------------------------------------- an internal error: one warning, that statistic off
+class HardCodedHalf(TinyMLP):
+    """A user model that casts its input to fp16 itself. Under the plugin the weights are fp16 too; the fp32
+    reference re-run of ``training_step`` multiplies fp16 inputs with fp32 weights and raises a dtype error."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x.to(torch.float16)).float(), y)
+
+
+def test_internal_error_is_one_warning_and_turns_only_that_statistic_off(tmp_path):
+    monitors = [
+        LossScaleMonitor(strict=False),
+        GradientHistogramMonitor(every_n_steps=1, strict=False),
+        UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1, strict=False),
+    ]
+    with pytest.warns(DiagnosticsWarning) as caught:
+        trainer, ea = fit(HardCodedHalf(), tmp_path, monitors, MPTPrecision("fp16"), steps=4)
+    (warning,) = [w for w in caught if issubclass(w.category, DiagnosticsWarning)]  # one, although 4 steps failed
+    message = str(warning.message)
+    assert message.startswith("UnderflowMonitor: the fp32 reference (mpt/grad_underflow_fraction, mpt/scale_headroom)")
+    assert "Traceback (most recent call last)" in message and "in _reference_grads" in message
+    assert "RuntimeError" in message and "LIGHTNING_MPT_STRICT_DIAGNOSTICS=1" in message
+    assert trainer.global_step == 4  # training went on
+    underflow = monitors[2]
+    assert not underflow.reference_stat.enabled and underflow.last_reference is None
+    assert underflow.stored_stat.enabled and underflow.update_stat.enabled and underflow.setup_stat.enabled
+    # the reference's tags are missing, everything else was written at every step
+    scalars = set(ea.Tags()["scalars"])
+    assert "mpt/grad_underflow_fraction" not in scalars and "mpt/scale_headroom" not in scalars
+    for tag in ("mpt/loss_scale", "mpt/grad_zero_fraction", "mpt/grad_subnormal_fraction", "mpt/update_underflow_fraction"):
+        assert [s for s, _ in series(ea, tag)] == [0, 1, 2, 3], tag
+    assert {e.step for e in ea.Histograms("mpt/grad_exponent/net.0.weight")} == {0, 1, 2, 3}
+
+
+def test_strict_reraises_the_internal_error(tmp_path):
+    monitor = UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1)  # strict from the environment
+    with pytest.raises(RuntimeError, match="dtype"):
+        fit(HardCodedHalf(), tmp_path, [LossScaleMonitor(), monitor], MPTPrecision("fp16"), steps=2)
+
+
+def test_strict_switch_environment_and_argument(monkeypatch):
+    monkeypatch.delenv(STRICT_ENV)
+    assert not Statistic("m", "x").strict and Statistic("m", "x", strict=True).strict
+    monkeypatch.setenv(STRICT_ENV, "1")
+    assert Statistic("m", "x").strict and not Statistic("m", "x", strict=False).strict
+
+
+class Broken(Statistic):
+    """A statistic whose consumer raises: what any bug in a write-out would do."""
+
+    def consume(self, values: list[float]) -> None:
+        raise ZeroDivisionError("broken consumer")
+
+
+def test_recorder_turns_off_only_the_failing_consumer(tmp_path):
+    written: list[list[float]] = []
+    good, bad = Statistic("m", "good", strict=False), Broken("m", "bad", strict=False)
+    recorder = Recorder(Sink())
+    for step in range(2):
+        recorder.queue(good, torch.tensor([1.0, 2.0]), written.append)
+        if bad.enabled:
+            recorder.queue(bad, torch.tensor([3.0]), bad.consume)
+        with pytest.warns(DiagnosticsWarning, match="m: bad failed with ZeroDivisionError") if step == 0 else _no_warning():
+            recorder.flush()
+    assert written == [[1.0, 2.0], [1.0, 2.0]] and recorder.syncs == 2
+    assert good.enabled and not bad.enabled and isinstance(bad.error, ZeroDivisionError)
+    strict = Broken("m", "bad", strict=True)
+    recorder.queue(strict, torch.tensor([3.0]), strict.consume)
+    with pytest.raises(ZeroDivisionError):
+        recorder.flush()
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.simplefilter("error", DiagnosticsWarning)
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+# -------------------------------------------------------------------------------------------- the monitor group
+class GroupProbe(L.Callback):
+    def __init__(self, monitors: list) -> None:
+        self.monitors, self.groups = monitors, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.groups.append([m.group for m in self.monitors])
+
+
+def test_monitors_share_one_group_formed_by_the_first_and_dissolved_at_teardown(tmp_path):
+    monitors = [UnderflowMonitor(every_n_steps=1), LossScaleMonitor(), GradientHistogramMonitor(every_n_steps=1)]
+    probe = GroupProbe(monitors)
+    fit(TinyMLP(), tmp_path / "a", [monitors[0], probe, *monitors[1:]], MPTPrecision("fp16"), steps=2)
+    (group,) = {id(g) for step in probe.groups for g in step}  # one group, the same at every step
+    first = probe.groups[0][0]
+    assert first.owner is monitors[0] and first.members == monitors
+    assert all(m.group is None for m in monitors)
+    # the same monitors in a second fit form a new group
+    fit(TinyMLP(), tmp_path / "b", [*monitors, probe], MPTPrecision("fp16"), steps=1)
+    assert probe.groups[-1][0] is not first and len({id(g) for g in probe.groups[-1]}) == 1
+
+
+# ------------------------------------------------------------------------------------- records for programs
+def test_records_of_skipped_steps_summary_and_run(fp16_run):
+    trainer, ea, monitors = fp16_run
+    history = {r.step: r for r in trainer.precision_plugin.history}
+    skips = records(ea, "mpt/data/skipped_step")
+    assert [s for s, _ in skips] == [2, 5]
+    for step, r in skips:
+        assert r == {"schema": 1, "step": step, "scale": history[step].scale, "scale_after": history[step + 1].scale,
+                     "params": ["net.3.weight"], "loss_finite": True}
+    ((_, summary),) = records(ea, "mpt/data/overflow_summary")
+    assert summary == {"schema": 1, "step": 8, "skipped_steps": 2, "params": {"net.3.weight": 2}}
+    ((_, run),) = records(ea, "mpt/data/run")
+    assert run == {"schema": 1, "format": "fp16", "plugin": "MPTPrecision", "precision": "16-mixed",
+                   "loss_scaling": "dynamic", "monitors": ["LossScaleMonitor", "GradientHistogramMonitor", "UnderflowMonitor"]}
+    assert "mpt/data/stopped" not in ea.Tags()["tensors"]
+
+
+def test_guard_stop_is_recorded(tmp_path):
+    inject = InjectNonFinite("net.0.bias", {s: math.inf for s in range(1, 10)})
+    plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**10), max_consecutive_skips=3)
+    logger = TensorBoardLogger(str(tmp_path), name="", version=0)
+    trainer = quiet_trainer(plugins=[plugin], callbacks=[inject, LossScaleMonitor()], logger=logger, max_steps=10)
+    with pytest.raises(NonFiniteGradientError) as raised:
+        trainer.fit(TinyMLP(), regression_data(n=160))
+    ea = read_events(logger.log_dir)
+    assert [s for s, _ in records(ea, "mpt/data/skipped_step")] == [1, 2, 3]  # the step that tripped it included
+    ((step, stop),) = records(ea, "mpt/data/stopped")
+    assert step == 3 and stop == {"schema": 1, "step": 3, "error": "NonFiniteGradientError", "message": str(raised.value)}
+    assert "net.0.bias" in stop["message"]
+    ((_, summary),) = records(ea, "mpt/data/overflow_summary")
+    assert summary["skipped_steps"] == 3 and summary["params"] == {"net.0.bias": 3}
+    assert series(ea, "mpt/overflow") == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 1.0)]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from models import quiet_trainer, run_until_written
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tb_events import read_events, records, series
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -52,12 +52,13 @@ def test_ddp_rank_zero_writes_and_flush_is_reduced_across_ranks(tmp_path):
     # only rank 0 wrote event files
     events = sorted(p for p in tmp_path.rglob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].name.split(".")[-2] == str(r0["pid"]) != str(r1["pid"])
-    ea = EventAccumulator(str(events[0].parent), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
-    ea.Reload()
-    logged = {e.step: e.value for e in ea.Scalars("mpt/grad_underflow_fraction")}
+    ea = read_events(events[0].parent)
+    logged = dict(series(ea, "mpt/grad_underflow_fraction"))
     assert sorted(logged) == r0["reference_steps"]
     assert logged[r0["reference_steps"][-1]] == pytest.approx(sum(r0["flushed"]) / sum(r0["nonzero"]))
-    assert [(e.step, e.value) for e in ea.Scalars("mpt/loss_scale")] == [tuple(x) for x in r0["history"]]
+    assert series(ea, "mpt/loss_scale") == [tuple(x) for x in r0["history"]]
+    assert [r["monitors"] for _, r in records(ea, "mpt/data/run")] == [
+        ["LossScaleMonitor", "UnderflowMonitor", "GradientHistogramMonitor"]]  # one group, one header, rank 0
     assert "mpt/grad_zero_fraction/l1.weight" in ea.Tags()["scalars"]
     assert "mpt/grad_exponent/l1.weight" in ea.Tags()["histograms"]
 

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_mpt._compat import GRAD_DTYPE
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tb_events import all_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -29,13 +29,6 @@ from lightning_mpt import MPTPrecision  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def scalars(logdir: str) -> dict[str, list[float]]:
-    """Every scalar series in the TensorBoard event files of ``logdir``."""
-    acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def test_quickstart(tmp_path: Path) -> None:
     out = quickstart.main(["--steps", "60", "--logdir", str(tmp_path)])
     assert out["steps"] == 60 and out["skipped_steps"] == 0
@@ -47,7 +40,7 @@ def test_resnet_learns_with_fp32_batchnorm(tmp_path: Path) -> None:
     assert out["steps"] == 30
     assert out["last_loss"] < 0.7 * out["first_loss"]
     assert out["val_acc"] > 0.25 + 0.25  # --fast trains 4 classes: chance is 0.25
-    logged = scalars(out["logdir"])
+    logged = all_scalars(out["logdir"])
     assert {"train_loss", "train_acc", "val_acc", "mpt/loss_scale", "mpt/skipped_steps"} <= logged.keys()
     assert {"mpt/grad_zero_fraction", "mpt/grad_underflow_fraction", "mpt/update_underflow_fraction"} <= logged.keys()
     assert logged["mpt/loss_scale"][0] == 2.0**16
@@ -58,7 +51,7 @@ def test_bert_finetune_beats_chance(tmp_path: Path) -> None:
     assert out["steps"] == 100 and out["skipped_steps"] == 0
     assert out["last_loss"] < 0.9 * out["first_loss"]
     assert out["val_acc"] > 0.65  # two balanced classes: chance is 0.5
-    logged = scalars(out["logdir"])
+    logged = all_scalars(out["logdir"])
     assert {"train_acc", "val_acc", "mpt/loss_scale"} <= logged.keys()
     lr = logged["lr-AdamW/pg1"]  # the schedule drives the optimizer that steps the masters
     assert lr[-1] < 0.2 * lr[0]
@@ -78,7 +71,7 @@ def test_vit_static_scale_stalls_where_dynamic_trains(tmp_path: Path) -> None:
     assert dynamic["last_loss"] < 0.5 * static["last_loss"]
     # the TensorBoard logs tell the same story, one run next to the other
     assert Path(static["logdir"]).parent == Path(dynamic["logdir"]).parent
-    static_log, dynamic_log = scalars(static["logdir"]), scalars(dynamic["logdir"])
+    static_log, dynamic_log = all_scalars(static["logdir"]), all_scalars(dynamic["logdir"])
     assert sum(static_log["mpt/overflow"]) == static["skipped_steps"]
     assert static_log["mpt/skipped_steps"][-1] == static["skipped_steps"]
     assert dynamic_log["mpt/loss_scale"][:3] == [2.0**16, 2.0**15, 2.0**14]

@@ -18,10 +18,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from models import InjectInf, TinyMLP, quiet_trainer, regression_data
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tb_events import read_events, series, texts
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_mpt import DynamicLossScaler, MPTPrecision
+from lightning_mpt import DynamicLossScaler, MPTPrecision, NonFiniteGradientError
 from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
 from lightning_mpt.cli import main
 from lightning_mpt.numerics import BF16, FP16, FloatFormat, exponent_bins, exponent_histograms
@@ -91,9 +91,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
 
 def scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
-    ea = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    ea.Reload()
-    return [(e.step, e.value) for e in ea.Scalars(tag)]
+    return series(read_events(log_dir), tag)
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -131,7 +129,7 @@ def test_summary_equals_plugin_history(runs: Runs) -> None:
         min(scales), statistics.median(scales), max(scales), scales[-1])
     assert s.nonfinite_params == dict(runs.scale_monitor.overflow_counts) == {"net.3.weight": 2, "net.0.bias": 1}
     assert list(s.nonfinite_params) == ["net.3.weight", "net.0.bias"]  # most often first
-    assert s.nonfinite_names_complete and s.loss_nonfinite_steps == 0
+    assert s.nonfinite_names_complete and s.loss_nonfinite_steps == 0 and s.stopped is None
 
 
 def test_underflow_numbers_equal_event_files(runs: Runs) -> None:
@@ -293,3 +291,49 @@ def test_console_script(runs: Runs) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == build_report(runs.root / "a").to_dict()
+
+
+# ------------------------------------------------------------------------------------------------ the records
+class InjectMany(L.Callback):
+    """An inf into the gradient of each of ``names`` at ``step``."""
+
+    def __init__(self, names: list[str], step: int) -> None:
+        self.names, self.step = names, step
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_step == self.step:
+            params = dict(module.named_parameters())
+            for name in self.names:
+                params[name].grad.view(-1)[0] = float("inf")
+
+
+def test_names_come_from_the_records_not_the_texts(tmp_path: Path) -> None:
+    """The text of a skipped step lists ``max_names`` names; the report still counts every parameter."""
+    bad = ["net.0.weight", "net.0.bias", "net.3.weight"]
+    logger = TensorBoardLogger(str(tmp_path), name="", version=0)
+    callbacks = [InjectMany(bad, step=1), LossScaleMonitor(max_names=1)]
+    quiet_trainer(plugins=[MPTPrecision("fp16")], callbacks=callbacks, logger=logger, max_steps=3).fit(
+        TinyMLP(), regression_data())
+    (_, text), = texts(read_events(logger.log_dir), "mpt/nonfinite_params")
+    assert "`net.0.weight` and 2 more" in text  # what a text parser would have had to guess from
+    (s,) = build_report(tmp_path).runs
+    assert s.nonfinite_params == {name: 1 for name in bad} and s.nonfinite_names_complete
+    assert (s.skipped_steps, s.first_overflow_step, s.loss_nonfinite_steps) == (1, 1, 0)
+
+
+def test_a_stop_by_the_guard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**10), max_consecutive_skips=2)
+    logger = TensorBoardLogger(str(tmp_path), name="stopped", version=0)
+    callbacks = [InjectInf("net.3.bias", steps={3, 4, 5}), LossScaleMonitor(), UnderflowMonitor(every_n_steps=1)]
+    trainer = quiet_trainer(plugins=[plugin], callbacks=callbacks, logger=logger, max_steps=STEPS)
+    with pytest.raises(NonFiniteGradientError):
+        trainer.fit(TinyMLP(), regression_data(n=16 * STEPS))
+    (s,) = build_report(tmp_path).runs
+    assert s.stopped is not None and (s.stopped["step"], s.stopped["error"]) == (4, "NonFiniteGradientError")
+    assert "2 optimizer steps in a row were skipped" in s.stopped["message"]
+    assert (s.steps, s.skipped_steps, s.first_overflow_step) == (5, 2, 3)
+    assert s.nonfinite_params == {"net.3.bias": 2} and s.nonfinite_names_complete
+    assert main(["report", str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert [c.strip() for c in table_row(out, "stopped by the guard at step")] == ["4"]
+    assert "  stopped at step 4 by NonFiniteGradientError: MPTPrecision stopped training: 2 optimizer steps" in out

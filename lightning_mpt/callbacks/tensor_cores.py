@@ -8,11 +8,14 @@ from typing import Any, Optional
 from torch import nn
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_mpt.callbacks import dashboard as tags
-from lightning_mpt.callbacks._common import Sink, check_every, half_format
+from lightning_mpt import tags
+from lightning_mpt.callbacks._common import Monitor, check_every
+from lightning_mpt.callbacks.statistics import half_format
+
+# implicit-GEMM convolutions (public classes; the lazy variants subclass them)
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ def tensor_core_report(
         dims: dict[str, int] = {}
         if isinstance(m, nn.Linear):
             dims = {"in_features": m.in_features, "out_features": m.out_features}
-        elif isinstance(m, nn.modules.conv._ConvNd):
+        elif isinstance(m, _CONVOLUTIONS):
             # implicit GEMM: K = in_channels / groups (per group), N = out_channels / groups
             dims = {"in_channels/groups": m.in_channels // m.groups, "out_channels/groups": m.out_channels // m.groups}
         elif isinstance(m, nn.MultiheadAttention):
@@ -64,13 +67,15 @@ def tensor_core_report(
     return found
 
 
-class TensorCoreCheck(Callback):
+class TensorCoreCheck(Monitor):
     """At the start of training under fp16/bf16, warn about Linear/Conv/attention layers and a batch size whose
     dimensions are not multiples of ``multiple`` (8 for Tensor Cores), and write the list as the TensorBoard text
     ``mpt/tensor_cores``.
 
     Args:
         multiple: the multiple the dimensions should have.
+        strict: re-raise internal errors instead of a warning (``None``: the environment variable
+            ``LIGHTNING_MPT_STRICT_DIAGNOSTICS``).
 
     Example:
         ```python
@@ -82,11 +87,18 @@ class TensorCoreCheck(Callback):
         ```
     """
 
-    def __init__(self, multiple: int = 8) -> None:
+    def __init__(self, multiple: int = 8, strict: Optional[bool] = None) -> None:
+        super().__init__(strict)
         self.multiple = check_every("TensorCoreCheck", "multiple", multiple)
         self.findings: list[TensorCoreFinding] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.on:
+            return
+        with self.setup_stat.guarded():
+            self._check(trainer, pl_module)
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fmt = half_format(trainer.precision_plugin)
         if fmt is None:
             return
@@ -99,7 +111,7 @@ class TensorCoreCheck(Callback):
             f" their matmuls off Tensor Cores (pad them, e.g. a vocabulary to a multiple of 64):\n{lines}"
         )
         rows = "\n".join(f"| `{f.name}` | {f.kind} | {', '.join(f'{k}={v}' for k, v in f.dims.items())} |" for f in self.findings)
-        Sink(trainer).text(
+        self.sink.text(
             tags.TENSOR_CORES,
             f"Dimensions not multiples of {self.multiple} under {fmt.name}:\n\n| layer | type | dims |\n|---|---|---|\n{rows}",
             trainer.global_step,

@@ -1,0 +1,109 @@
+"""``Sink``: where the diagnostics write. No Lightning ``Trainer`` involved: a Trainer callback, a Fabric loop or a
+plain script hands it a TensorBoard ``SummaryWriter`` and/or loggers.
+
+Example:
+    ```python
+    import tempfile
+
+    from torch.utils.tensorboard import SummaryWriter
+    from lightning_mpt import tags
+    from lightning_mpt.callbacks.sink import Sink
+
+    with SummaryWriter(tempfile.mkdtemp()) as writer:
+        sink = Sink(writer)
+        sink.scalars({tags.LOSS_SCALE: 1024.0, tags.OVERFLOW: 0.0}, step=0)   # one event, both values
+        sink.record(tags.SKIP_RECORD, {"step": 3, "params": ["net.0.weight"]}, step=3)
+    ```
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+from weakref import WeakSet
+
+from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+from tensorboard.compat.proto.tensor_pb2 import TensorProto
+from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+
+from lightning_mpt import tags
+from lightning_mpt._compat import event_file_writer
+
+# SummaryWriters that hold the dashboard layout already: one layout per event-file directory, also when a second
+# fit writes to the same logger (a weak set, so that it never keeps a writer alive)
+_LAYOUT_WRITTEN: WeakSet[Any] = WeakSet()
+
+
+class Sink:
+    """Writes scalars, histograms, texts and records to a TensorBoard ``SummaryWriter``, and scalars to loggers.
+
+    Args:
+        summary_writer: a ``torch.utils.tensorboard.SummaryWriter`` (``TensorBoardLogger.experiment``), or ``None``.
+        loggers: objects with ``log_metrics(metrics: dict, step: int)`` (Lightning loggers: CSV, W&B, ...) that get
+            the scalars; histograms, texts and records need TensorBoard and are dropped for them.
+
+    A sink without either is inactive (``active`` is ``False``): the monitors then skip their work. Each call of
+    :meth:`scalars` writes its values as **one** TensorBoard event.
+    """
+
+    def __init__(self, summary_writer: Any = None, loggers: Sequence[Any] = ()) -> None:
+        self.writer = summary_writer
+        self.loggers = list(loggers)
+
+    @property
+    def active(self) -> bool:
+        return self.writer is not None or bool(self.loggers)
+
+    def scalars(self, values: dict[str, Optional[float]], step: int) -> None:
+        """Write ``values`` (tag -> value; ``None`` values are left out) at ``step``."""
+        values = {k: float(v) for k, v in values.items() if v is not None}
+        if not values:
+            return
+        if self.writer is not None:
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=v) for tag, v in values.items()])
+            event_file_writer(self.writer).add_summary(summary, step)
+        for logger in self.loggers:
+            logger.log_metrics(values, step)
+
+    def histogram_raw(self, tag: str, step: int, **kwargs: Any) -> None:
+        """``SummaryWriter.add_histogram_raw(tag, global_step=step, **kwargs)`` (TensorBoard only)."""
+        if self.writer is not None:
+            self.writer.add_histogram_raw(tag, global_step=step, **kwargs)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A Markdown text for TensorBoard's Text tab (TensorBoard only; stored as ``tag + tags.TEXT_SUFFIX``)."""
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def record(self, tag: str, data: dict[str, Any], step: int) -> None:
+        """A record for programs: ``data`` as JSON (with ``"schema"`` added) in a string tensor summary of the
+        plugin :data:`lightning_mpt.tags.PLUGIN_NAME` (TensorBoard only). Read back with
+        ``EventAccumulator.Tensors(tag)``; see :func:`decode_record`."""
+        if self.writer is None:
+            return
+        payload = json.dumps({"schema": tags.RECORD_SCHEMA, **data}, allow_nan=False).encode()
+        metadata = SummaryMetadata(
+            plugin_data=SummaryMetadata.PluginData(plugin_name=tags.PLUGIN_NAME, content=b"json"),
+            summary_description="lightning-mpt record (JSON); read by lightning-mpt report",
+        )
+        tensor = TensorProto(dtype="DT_STRING", string_val=[payload], tensor_shape=TensorShapeProto())
+        summary = Summary(value=[Summary.Value(tag=tag, tensor=tensor, metadata=metadata)])
+        event_file_writer(self.writer).add_summary(summary, step)
+
+    def layout(self, charts: Optional[Iterable[str]] = None) -> bool:
+        """Write the "Mixed precision" custom-scalars layout with ``charts`` unless this writer holds one already;
+        return whether it wrote (see :mod:`lightning_mpt.callbacks.dashboard`)."""
+        from lightning_mpt.callbacks.dashboard import layout_dict
+
+        charts = None if charts is None else list(charts)
+        if self.writer is None or self.writer in _LAYOUT_WRITTEN or charts == []:
+            return False
+        self.writer.add_custom_scalars(layout_dict(charts))
+        _LAYOUT_WRITTEN.add(self.writer)
+        return True
+
+
+def decode_record(tensor_proto: Any) -> dict[str, Any]:
+    """The JSON object of a record's ``TensorProto`` (``EventAccumulator.Tensors(tag)[i].tensor_proto``)."""
+    return json.loads(tensor_proto.string_val[0].decode())

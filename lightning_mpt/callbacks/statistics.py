@@ -1,0 +1,755 @@
+"""The statistics of the diagnostics, without Lightning's ``Trainer``: compute them from parameters, gradients and
+masters at a loss scale in a half format, and hand them to a :class:`~lightning_mpt.callbacks.sink.Sink`.
+
+The Trainer callbacks (:mod:`lightning_mpt.callbacks`) only decide *when* and gather the tensors from the Trainer;
+everything below takes plain tensors, names and numbers, so that another driver (a Fabric loop, a script) writes the
+same tags with the same code. The pieces:
+
+* :class:`Recorder`: what the statistics of one run share: the :class:`Sink`, the **read-out** (device tensors
+  queued during a step and read on the host with one ``.tolist()`` for all of them at :meth:`Recorder.flush`), and
+  the exponent histograms of the stored gradients, computed once per backward for all statistics.
+* :class:`Statistic`: the unit that fails alone. An internal error in one statistic is one warning with its
+  traceback and turns that statistic off; the others and training go on. With ``strict`` (or the environment
+  variable ``LIGHTNING_MPT_STRICT_DIAGNOSTICS=1``) the error is raised instead, as the tests run them.
+* the statistics: :class:`StoredFractions`, :class:`ExponentHistograms`, :class:`ValueHistograms`,
+  :class:`UpdateUnderflow`, :class:`FlushReference` (with :class:`FlushStatistics`, its cross-rank reduction) and
+  :class:`LossScaleLog`.
+* what a precision plugin exposes, read by duck typing (:func:`half_format`, :func:`loss_scale`,
+  :class:`ParamTable`): ``MPTPrecision`` (``half_dtype``, ``master_of``, ``backward_scale``) and Lightning's
+  autocast precisions (``precision``, ``scaler``).
+
+Example:
+    ```python
+    import tempfile
+
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+    from lightning_mpt.callbacks.sink import Sink
+    from lightning_mpt.callbacks.statistics import Recorder, StoredFractions
+    from lightning_mpt.numerics import FP16
+
+    grads = [torch.tensor([0.0, 1e-6, 3.0], dtype=torch.float16), torch.ones(4, dtype=torch.float16)]
+    with SummaryWriter(tempfile.mkdtemp()) as writer:
+        recorder = Recorder(Sink(writer))
+        StoredFractions(["a", "b"], FP16).measure(recorder, grads, step=0)   # queued on the device
+        recorder.flush()                                                     # one host read, then written
+    assert recorder.syncs == 1
+    ```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_mpt import tags
+from lightning_mpt._compat import version
+from lightning_mpt.callbacks.sink import Sink
+from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES
+from lightning_mpt.numerics import (
+    BF16,
+    FP16,
+    FloatFormat,
+    exponent_bins,
+    exponent_histograms,
+    flush_counts,
+    format_of,
+    max_abs,
+    stored_counts,
+    update_underflow_counts,
+    value_histograms,
+)
+
+STRICT_ENV = "LIGHTNING_MPT_STRICT_DIAGNOSTICS"
+
+
+def strict_from_env() -> bool:
+    """Whether ``LIGHTNING_MPT_STRICT_DIAGNOSTICS`` asks for strict diagnostics (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class DiagnosticsWarning(UserWarning):
+    """A diagnostic statistic failed and was turned off; training goes on."""
+
+
+# ------------------------------------------------------------------------------------------- failing alone
+class Statistic:
+    """A statistic that fails alone: an exception inside :meth:`guarded` turns it off with one
+    :class:`DiagnosticsWarning` holding the traceback (or propagates, when ``strict``).
+
+    Args:
+        owner: who computes it, for the message (a callback's class name).
+        what: what it is, for the message (e.g. ``"the fp32 reference (<its tags>)"``).
+        strict: re-raise internal errors; ``None`` reads ``LIGHTNING_MPT_STRICT_DIAGNOSTICS``.
+    """
+
+    def __init__(self, owner: str, what: str, strict: Optional[bool] = None) -> None:
+        self.owner = owner
+        self.what = what
+        self.strict = strict_from_env() if strict is None else strict
+        self.enabled = True
+        self.error: Optional[BaseException] = None
+
+    def guarded(self) -> _Guard:
+        """A context that hands an ``Exception`` raised in it to :meth:`fail` (and swallows it unless strict)."""
+        return _Guard(self)
+
+    def fail(self, error: BaseException) -> None:
+        """Turn this statistic off with one warning, or raise ``error`` when strict."""
+        if self.strict:
+            raise error
+        if not self.enabled:
+            return
+        self.enabled = False
+        self.error = error
+        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        rank = _rank()
+        warnings.warn(
+            f"{self.owner}: {self.what} failed{f' on rank {rank}' if rank else ''} with {type(error).__name__}: "
+            f"{error}. It is off for the rest of this run; training and the other statistics go on. Set "
+            f"{STRICT_ENV}=1 (or the callback's strict=True) to raise instead.\n{trace}",
+            DiagnosticsWarning,
+            stacklevel=3,
+        )
+
+
+class _Guard:
+    def __init__(self, stat: Statistic) -> None:
+        self.stat = stat
+
+    def __enter__(self) -> Statistic:
+        return self.stat
+
+    def __exit__(self, kind: Optional[type], error: Optional[BaseException], trace: Optional[TracebackType]) -> bool:
+        if error is None or not isinstance(error, Exception) or self.stat.strict:
+            return False  # nothing happened, an interrupt, or strict: let it propagate
+        self.stat.fail(error)
+        return True
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# --------------------------------------------------------------------------------------------- the recorder
+class Recorder:
+    """What the statistics of one run share: the sink, the one-sync read-out and the per-backward cache.
+
+    During a step, statistics :meth:`queue` device tensors with a consumer; :meth:`flush` reads all of them with one
+    ``.tolist()`` (one host sync, on a GPU one wait for the device) and hands each consumer its values as floats.
+    Each consumer runs guarded by its statistic: one failing consumer turns off its statistic only. If the joint
+    read itself fails, each tensor is read alone so that only the statistic whose tensor fails goes off.
+    """
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.syncs = 0  # host reads done by flush(), for benchmarks and tests
+        self._pending: list[tuple[Statistic, Tensor, Callable[[list[float]], None]]] = []
+        self._stored_key: Optional[tuple] = None
+        self._stored: Optional[Tensor] = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def queue(self, stat: Statistic, values: Tensor, consume: Callable[[list[float]], None]) -> None:
+        """Read ``values`` at the next :meth:`flush` and pass them (flattened, as floats) to ``consume``."""
+        self._pending.append((stat, values.detach().reshape(-1), consume))
+
+    def flush(self) -> None:
+        """Read everything queued with one host sync and hand it to the consumers."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        try:
+            device = pending[0][1].device
+            dtype = torch.float32 if device.type == "mps" else torch.float64  # counts need float64's 53 bits
+            values = torch.cat([v.to(device=device, dtype=dtype) for _, v, _ in pending]).tolist()  # the one sync
+            self.syncs += 1
+        except Exception:
+            for stat, v, consume in pending:
+                with stat.guarded():
+                    consume(v.double().tolist())
+            return
+        start = 0
+        for stat, v, consume in pending:
+            with stat.guarded():
+                consume(values[start : start + v.numel()])
+            start += v.numel()
+
+    def clear(self) -> None:
+        """Drop what is queued (after an exception in the training step)."""
+        self._pending.clear()
+
+    def stored_histograms(self, grads: Sequence[Optional[Tensor]], fmt: FloatFormat) -> Tensor:
+        """:func:`~lightning_mpt.numerics.exponent_histograms` of the stored gradients ``grads``, computed once per
+        backward for every statistic that asks (recomputed when a gradient was replaced or edited in place)."""
+        key = (fmt.name, *(None if g is None else (id(g), version(g)) for g in grads))
+        if key != self._stored_key or self._stored is None:
+            self._stored = exponent_histograms(grads, fmt)
+            self._stored_key = key
+        return self._stored
+
+    def release(self) -> None:
+        """Drop the cache and the queue (between fits)."""
+        self._stored_key = self._stored = None
+        self._pending.clear()
+
+
+# ------------------------------------------------------------------------ what a precision plugin exposes
+def has_masters(plugin: Any) -> bool:
+    """Whether ``plugin`` keeps half-precision weights with fp32 masters the way ``MPTPrecision`` does (it has
+    ``half_dtype`` and ``master_of``)."""
+    return hasattr(plugin, "half_dtype") and callable(getattr(plugin, "master_of", None))
+
+
+def half_format(plugin: Any) -> Optional[FloatFormat]:
+    """The half-precision format the plugin computes in: fp16 or bf16, ``None`` for full precision."""
+    if has_masters(plugin):
+        return format_of(plugin.half_dtype)
+    precision = str(getattr(plugin, "precision", ""))
+    if precision.startswith("16"):
+        return FP16
+    if precision.startswith("bf16"):
+        return BF16
+    return None
+
+
+def grad_scaler(plugin: Any) -> Optional[torch.amp.GradScaler]:
+    """The :class:`torch.amp.GradScaler` of Lightning's ``MixedPrecision`` plugin, if any."""
+    scaler = getattr(plugin, "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) else None
+
+
+def loss_scale(plugin: Any) -> float:
+    """The loss scale the current step's gradients were computed with (read before the scaler updates)."""
+    if has_masters(plugin) and hasattr(plugin, "backward_scale"):
+        return float(plugin.backward_scale)
+    scaler = grad_scaler(plugin)
+    return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+
+
+def describe_precision(plugin: Any) -> dict[str, Any]:
+    """The fields of the ``mpt/data/run`` record that describe the precision plugin."""
+    fmt = half_format(plugin)
+    scaler = getattr(plugin, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler):
+        scaling = "grad_scaler" if scaler.is_enabled() else "none"
+    elif scaler is None:
+        scaling = "none"
+    else:
+        scaling = "static" if getattr(scaler, "is_static", False) else "dynamic"
+    return {
+        "format": fmt.name if fmt is not None else None,
+        "plugin": type(plugin).__name__,
+        "precision": str(getattr(plugin, "precision", "")),
+        "loss_scaling": scaling,
+    }
+
+
+class ParamTable:
+    """The parameters computed in the half format, in ``named_parameters()`` order.
+
+    Under a plugin with masters (``MPTPrecision``) these are the parameters it cast to fp16/bf16 (norm layers stay
+    fp32 and are left out). Under Lightning's autocast precisions every parameter is fp32, and the gradients of the
+    layers that autocast runs in half precision are formed from half-precision values: all floating-point
+    parameters except those of norm layers.
+    """
+
+    def __init__(self, module: nn.Module, plugin: Any) -> None:
+        masters = has_masters(plugin)
+        kept = {id(p) for m in module.modules() if isinstance(m, DEFAULT_KEEP_FP32) for p in m.parameters()}
+        self.names: list[str] = []
+        self.params: list[Tensor] = []
+        for name, p in module.named_parameters():
+            if (p.dtype in HALF_DTYPES) if masters else (p.is_floating_point() and id(p) not in kept):
+                self.names.append(name)
+                self.params.append(p)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def grads(self) -> list[Optional[Tensor]]:
+        return [p.grad for p in self.params]
+
+    def masters(self, plugin: Any) -> list[Optional[Tensor]]:
+        """The fp32 tensor the optimizer steps for each parameter, ``None`` where the half tensor is stepped itself
+        (``MPTPrecision(master_weights=False)``, ``"16-true"``)."""
+        if has_masters(plugin):
+            return [m if m is not p else None for p, m in ((p, plugin.master_of(p)) for p in self.params)]
+        return [p if p.dtype == torch.float32 else None for p in self.params]
+
+
+def module_name(param_name: str) -> str:
+    """``"encoder.0.linear.weight"`` -> ``"encoder.0.linear"``; a parameter of the root module -> ``"(root)"``."""
+    owner, _, _ = param_name.rpartition(".")
+    return owner or "(root)"
+
+
+def ratio(num: float, den: float) -> Optional[float]:
+    """``num / den``, ``None`` when undefined (no values to take a share of)."""
+    return num / den if den > 0 else None
+
+
+def histogram_buckets(limits: list[float], counts: list[float]) -> tuple[list[float], list[float]]:
+    """Merge runs of empty buckets into one (TensorBoard draws the same picture from fewer bytes)."""
+    out_limits: list[float] = []
+    out_counts: list[float] = []
+    for limit, count in zip(limits, counts):
+        if count == 0 and out_counts and out_counts[-1] == 0:
+            out_limits[-1] = limit
+        else:
+            out_limits.append(limit)
+            out_counts.append(count)
+    return out_limits, out_counts
+
+
+# -------------------------------------------------------------------------------- the stored half gradients
+class StoredFractions(Statistic):
+    """Zero, subnormal and overflow fractions of the stored (scaled) half gradients, and the headroom of the largest
+    stored value: ``mpt/grad_zero_fraction``, ``mpt/grad_subnormal_fraction``, ``mpt/grad_overflow_fraction``
+    (global, and per parameter with ``per_parameter``), ``mpt/stored_headroom``.
+
+    Args:
+        names: the parameters' names, one per gradient passed to :meth:`measure`.
+        fmt: the half format the gradients are stored in.
+        per_parameter: also write each parameter's fractions.
+    """
+
+    def __init__(
+        self, names: Sequence[str], fmt: FloatFormat, per_parameter: bool = True, owner: str = "diagnostics",
+        strict: Optional[bool] = None,
+    ) -> None:
+        super().__init__(owner, f"the stored-gradient fractions ({tags.GRAD_ZERO}, {tags.GRAD_SUBNORMAL}, ...)", strict)
+        self.names, self.fmt, self.per_parameter = list(names), fmt, per_parameter
+
+    def measure(self, recorder: Recorder, grads: Sequence[Optional[Tensor]], step: int) -> None:
+        """Queue the counts of ``grads`` (the gradients as the backward left them; ``None`` for none)."""
+        if not self.enabled:
+            return
+        with self.guarded():
+            counts = stored_counts(recorder.stored_histograms(grads, self.fmt), self.fmt)
+            present = [g for g in grads if g is not None]
+            top = max_abs(present).amax() if present else torch.zeros((), device=counts.device)
+            values = torch.cat([counts.reshape(-1).double(), top.reshape(1).to(counts.device, torch.float64)])
+            recorder.queue(self, values, lambda v: self._write(recorder.sink, v, step))
+
+    def _write(self, sink: Sink, v: list[float], step: int) -> None:
+        n = len(self.names)
+        rows = [v[5 * i : 5 * i + 5] for i in range(n)]
+        values: dict[str, Optional[float]] = {}
+
+        def fractions(name: Optional[str], numel: float, zero: float, sub: float, nzf: float, over: float) -> None:
+            for tag, value in ((tags.GRAD_ZERO, ratio(zero, numel)), (tags.GRAD_SUBNORMAL, ratio(sub, nzf)),
+                               (tags.GRAD_OVERFLOW, ratio(over, numel))):
+                values[tag if name is None else tags.per_parameter(tag, name)] = value
+
+        fractions(None, *([sum(col) for col in zip(*rows)] if rows else [0.0] * 5))
+        if self.per_parameter:
+            for name, row in zip(self.names, rows):
+                fractions(name, *row)
+        top = v[5 * n]
+        if 0 < top < math.inf:
+            values[tags.STORED_HEADROOM] = math.log2(self.fmt.max / top)
+        sink.scalars(values, step)
+
+
+class ExponentHistograms(Statistic):
+    """Exponent histograms ``floor(log2|g|)`` of the stored, scaled half gradients, one per parameter or group:
+    ``mpt/grad_exponent/<group>``, and once the format's marks (``mpt/format/*``, ``mpt/legend/grad_exponent``).
+
+    Layout (x axis in powers of two; fp16 numbers shown): one bucket per exponent from the format's min subnormal
+    (-24) to its max (15; the min normal is -14); the bucket left of a gap (at -27) counts exact zeros and the bucket
+    right of a gap (at 18) counts inf/NaN. The axis always spans the whole format.
+
+    Args:
+        groups: for each gradient passed to :meth:`measure`, the name of its histogram (its parameter's name, or
+            its module's to draw a module's parameters together).
+        fmt: the half format the gradients are stored in.
+    """
+
+    def __init__(
+        self, groups: Sequence[str], fmt: FloatFormat, owner: str = "diagnostics", strict: Optional[bool] = None
+    ) -> None:
+        super().__init__(owner, f"the exponent histograms ({tags.per_parameter(tags.GRAD_EXPONENT, '*')})", strict)
+        self.fmt = fmt
+        self.groups = list(dict.fromkeys(groups))
+        position = {g: i for i, g in enumerate(self.groups)}
+        self._index = torch.tensor([position[g] for g in groups], dtype=torch.long)
+
+    def write_legend(self, sink: Sink) -> None:
+        """The format's marks as scalars at step 0 and the legend text (once per run)."""
+        if not self.enabled:
+            return
+        with self.guarded():
+            fmt = self.fmt
+            lo, hi, normal = fmt.min_exponent, fmt.max_exponent, fmt.normal_exponent
+            sink.scalars({tags.MIN_SUBNORMAL_EXPONENT: lo, tags.MIN_NORMAL_EXPONENT: normal, tags.MAX_EXPONENT: hi}, 0)
+            sink.text(
+                tags.EXPONENT_LEGEND,
+                f"`{tags.per_parameter(tags.GRAD_EXPONENT, '*')}`: stored {fmt.name} gradients (scaled),"
+                f" x = floor(log2|g|).\n\n"
+                f"| x | meaning |\n|---|---|\n"
+                f"| {lo - 3} to {lo - 2} | exact zeros |\n"
+                f"| {lo} | min subnormal 2^{lo} = {fmt.min_subnormal:.3g} (smaller values flush to 0) |\n"
+                f"| {lo} to {normal - 1} | subnormal: fewer significant bits |\n"
+                f"| {normal} | min normal 2^{normal} = {fmt.min_normal:.3g} |\n"
+                f"| {hi} | max exponent: max = {fmt.max:.6g} (larger values overflow to inf) |\n"
+                f"| {hi + 3} to {hi + 4} | inf and NaN |",
+                0,
+            )
+
+    def measure(self, recorder: Recorder, grads: Sequence[Optional[Tensor]], step: int) -> None:
+        if not self.enabled:
+            return
+        with self.guarded():
+            hist = recorder.stored_histograms(grads, self.fmt)
+            if self._index.device != hist.device:
+                self._index = self._index.to(hist.device)  # once: a host-to-device copy waits for the device
+            grouped = torch.zeros(len(self.groups), hist.shape[1], dtype=hist.dtype, device=hist.device)
+            grouped.index_add_(0, self._index, hist)
+            recorder.queue(self, grouped, lambda v: self._write(recorder.sink, v, step))
+
+    def _write(self, sink: Sink, v: list[float], step: int) -> None:
+        fmt = self.fmt
+        nb = len(exponent_bins(fmt))
+        lo_e, hi_e = fmt.min_exponent, fmt.max_exponent
+        # x positions: zero bucket (lo_e-3, lo_e-2], gap, exponent e at (e, e+1], gap, non-finite (hi_e+3, hi_e+4]
+        limits = [lo_e - 2, lo_e, *range(lo_e + 1, hi_e + 2), hi_e + 3, hi_e + 4]
+        centers = [lo_e - 2.5, 0.0, *(e + 0.5 for e in range(lo_e, hi_e + 1)), 0.0, hi_e + 3.5]
+        for i, name in enumerate(self.groups):
+            row = v[i * nb : (i + 1) * nb]
+            num = sum(row)
+            if num <= 0:
+                continue
+            counts = [row[0], 0.0, *row[1:-1], 0.0, row[-1]]
+            total = sum(c * x for c, x in zip(counts, centers))
+            squares = sum(c * x * x for c, x in zip(counts, centers))
+            lim, cnt = histogram_buckets([float(x) for x in limits], counts)
+            sink.histogram_raw(
+                tags.per_parameter(tags.GRAD_EXPONENT, name), step, min=float(lo_e - 3), max=float(hi_e + 4),
+                num=num, sum=total, sum_squares=squares, bucket_limits=lim, bucket_counts=cnt,
+            )
+
+
+# ----------------------------------------------------------------------------------- the true gradients
+class ValueHistograms(Statistic):
+    """Histograms of the true (unscaled) gradient values, one per parameter or group: ``mpt/grad/<name>``.
+    Non-finite values are left out (the exponent histograms and the fractions count them)."""
+
+    def __init__(self, bins: int = 32, owner: str = "diagnostics", strict: Optional[bool] = None) -> None:
+        super().__init__(owner, f"the gradient value histograms ({tags.per_parameter(tags.GRAD_HIST, '*')})", strict)
+        self.bins = bins
+
+    def measure(self, recorder: Recorder, groups: Sequence[tuple[str, Sequence[Tensor]]], step: int) -> None:
+        """Queue the histograms of ``groups``: ``(name, gradients)`` pairs, each drawn as one histogram."""
+        if not self.enabled or not groups:
+            return
+        with self.guarded():
+            names = [name for name, _ in groups]
+            stats = value_histograms([grads for _, grads in groups], self.bins)
+            recorder.queue(self, stats, lambda v: self._write(recorder.sink, v, step, names))
+
+    def _write(self, sink: Sink, v: list[float], step: int, names: list[str]) -> None:
+        width = 5 + self.bins
+        for i, name in enumerate(names):
+            lo, hi, num, total, squares, *counts = v[i * width : (i + 1) * width]
+            if num <= 0:
+                continue  # no finite value to draw
+            if hi > lo:
+                step_ = (hi - lo) / self.bins
+                limits = [lo + (k + 1) * step_ for k in range(self.bins)]
+                limits[-1] = hi
+            else:
+                limits, counts = [hi], [num]
+            limits, counts = histogram_buckets(limits, counts)
+            sink.histogram_raw(
+                tags.per_parameter(tags.GRAD_HIST, name), step, min=lo, max=hi, num=num, sum=total,
+                sum_squares=squares, bucket_limits=limits, bucket_counts=counts,
+            )
+
+
+# ------------------------------------------------------------------------------------------- the updates
+class UpdateUnderflow(Statistic):
+    """``mpt/update_underflow_fraction``: of the master weights an optimizer step changed, the share whose change a
+    half-precision weight would not see (DESIGN.md §4). :meth:`snapshot` copies the masters before the step (4 bytes
+    per parameter, transient), :meth:`measure` compares after it. A skipped step changes nothing: nothing is written.
+
+    Args:
+        names: the parameters' names, one per master passed to :meth:`snapshot`.
+        fmt: the half format.
+    """
+
+    def __init__(
+        self, names: Sequence[str], fmt: FloatFormat, per_parameter: bool = True, owner: str = "diagnostics",
+        strict: Optional[bool] = None,
+    ) -> None:
+        super().__init__(owner, f"the update underflow ({tags.UPDATE_UNDERFLOW})", strict)
+        self.names, self.fmt, self.per_parameter = list(names), fmt, per_parameter
+        self._snapshot: Optional[tuple[int, list[int], list[Tensor], list[Tensor]]] = None
+
+    @property
+    def pending(self) -> bool:
+        return self._snapshot is not None
+
+    def snapshot(self, masters: Sequence[Optional[Tensor]], step: int) -> None:
+        """Copy the fp32 masters before the optimizer step (``None`` for a parameter stepped in half precision)."""
+        if not self.enabled or self._snapshot is not None:
+            return
+        with self.guarded():
+            index = [i for i, m in enumerate(masters) if m is not None]
+            current = [masters[i].detach() for i in index]  # type: ignore[union-attr]
+            if current:
+                self._snapshot = (step, index, current, [m.clone() for m in current])
+
+    def measure(self, recorder: Recorder) -> None:
+        """After the step: queue the counts of the changes since :meth:`snapshot`."""
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is None or not self.enabled:
+            return
+        with self.guarded():
+            step, index, current, old = snapshot
+            counts = update_underflow_counts(old, current, self.fmt)  # the masters hold the stepped values now
+            recorder.queue(self, counts, lambda v: self._write(recorder.sink, v, step, index))
+
+    def discard(self) -> None:
+        self._snapshot = None
+
+    def _write(self, sink: Sink, v: list[float], step: int, index: list[int]) -> None:
+        changed, lost = v[0::2], v[1::2]
+        values = {tags.UPDATE_UNDERFLOW: ratio(sum(lost), sum(changed))}
+        if self.per_parameter:
+            for i, c, lo in zip(index, changed, lost):
+                values[tags.per_parameter(tags.UPDATE_UNDERFLOW, self.names[i])] = ratio(lo, c)
+        sink.scalars(values, step)
+
+
+# ------------------------------------------------------------------------------------ the fp32 reference
+class FlushStatistics(Metric):
+    """Per-parameter flush counts of fp32 reference gradients, reduced across processes: ``nonzero`` and
+    ``flushed`` are summed, ``max_scaled`` (the largest scaled gradient) is maxed.
+
+    Example:
+        ```python
+        import torch
+        from lightning_mpt.callbacks import FlushStatistics
+
+        m = FlushStatistics(num_params=2)
+        m.update(torch.tensor([[4, 1], [10, 0]]), torch.tensor([3.0, 70000.0]))
+        nonzero, flushed, max_scaled = m.compute()
+        assert flushed.tolist() == [1, 0] and max_scaled.max().item() == 70000.0
+        ```
+    """
+
+    full_state_update = False
+
+    def __init__(self, num_params: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("nonzero", torch.zeros(num_params, dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("flushed", torch.zeros(num_params, dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("max_scaled", torch.zeros(num_params), dist_reduce_fx="max")
+
+    def update(self, counts: Tensor, max_scaled: Tensor) -> None:  # type: ignore[override]
+        """``counts``: ``(P, 2)`` rows of ``(nonzero, flushed)`` (:func:`~lightning_mpt.numerics.flush_counts`);
+        ``max_scaled``: ``(P,)`` largest ``|gradient * scale|`` per parameter."""
+        self.nonzero += counts[:, 0].to(self.nonzero)
+        self.flushed += counts[:, 1].to(self.flushed)
+        self.max_scaled = torch.maximum(self.max_scaled, max_scaled.to(self.max_scaled))
+
+    def compute(self) -> tuple[Tensor, Tensor, Tensor]:
+        # torchmetrics squeezes a one-element result to 0-dim: callers reshape to (P,)
+        return self.nonzero, self.flushed, self.max_scaled
+
+
+@dataclass
+class ReferenceStats:
+    """The latest fp32 reference measurement (device tensors of shape ``(P,)``; every rank holds its own
+    ``local_*`` values)."""
+
+    step: int
+    scale: float
+    names: list[str]
+    local_nonzero: Tensor
+    local_flushed: Tensor
+    nonzero: Tensor  # summed over ranks
+    flushed: Tensor
+    max_scaled: Tensor  # maxed over ranks
+
+    @property
+    def flush_fraction(self) -> float:
+        """Flushed over nonzero values, all parameters and ranks (NaN without nonzero values; one host sync)."""
+        nonzero = float(self.nonzero.sum())
+        return float(self.flushed.sum()) / nonzero if nonzero else math.nan
+
+
+class FlushReference(Statistic):
+    """The true flush (underflow) fraction and the scale headroom, from fp32 reference gradients of the batch:
+    ``mpt/grad_underflow_fraction`` (global and per parameter) and ``mpt/scale_headroom``.
+
+    :meth:`count` is local to the process; :meth:`reduce` sums the counts across processes (a collective under
+    ``torch.distributed``: every rank must call it, or none); :meth:`queue` hands the result to the writer.
+
+    Args:
+        names: the parameters' names, one per reference gradient.
+        fmt: the half format the gradients are stored in.
+    """
+
+    def __init__(
+        self, names: Sequence[str], fmt: FloatFormat, per_parameter: bool = True, device: Any = None,
+        owner: str = "diagnostics", strict: Optional[bool] = None,
+    ) -> None:
+        super().__init__(
+            owner, f"the fp32 reference ({tags.GRAD_UNDERFLOW}, {tags.SCALE_HEADROOM})", strict
+        )
+        self.names, self.fmt, self.per_parameter = list(names), fmt, per_parameter
+        self.metric = FlushStatistics(len(self.names)).to(device)
+
+    def count(self, grads: Sequence[Optional[Tensor]], scale: float) -> tuple[Tensor, Tensor]:
+        """This process's ``(P, 2)`` ``(nonzero, flushed)`` counts of the fp32 ``grads`` at ``scale`` and the
+        ``(P,)`` largest ``|g * scale|`` (0 for a missing gradient). No host sync."""
+        counts = flush_counts(grads, scale, self.fmt)
+        present = [g for g in grads if g is not None]
+        maxima = iter(max_abs(present).to(counts.device)) if present else iter(())
+        zero = torch.zeros((), device=counts.device)
+        top = [zero if g is None else next(maxima) for g in grads]
+        return counts, (torch.stack(top) if top else torch.zeros(0, device=counts.device)) * scale
+
+    def reduce(self, counts: Tensor, maxima: Tensor, scale: float, step: int) -> ReferenceStats:
+        """Reduce ``counts`` and ``maxima`` across processes (sum, max) into a :class:`ReferenceStats`."""
+        n = len(self.names)
+        self.metric.update(counts, maxima)
+        nonzero, flushed, max_scaled = (t.reshape(n).clone() for t in self.metric.compute())
+        self.metric.reset()
+        return ReferenceStats(step, scale, self.names, counts[:, 0], counts[:, 1], nonzero, flushed, max_scaled)
+
+    def queue(self, recorder: Recorder, stats: ReferenceStats) -> None:
+        if not self.enabled:
+            return
+        with self.guarded():
+            values = torch.cat([stats.nonzero.double(), stats.flushed.double(), stats.max_scaled.double()])
+            recorder.queue(self, values, lambda v: self._write(recorder.sink, v, stats.step))
+
+    def _write(self, sink: Sink, v: list[float], step: int) -> None:
+        n = len(self.names)
+        nonzero, flushed, max_scaled = v[:n], v[n : 2 * n], v[2 * n :]
+        values = {tags.GRAD_UNDERFLOW: ratio(sum(flushed), sum(nonzero))}
+        if self.per_parameter:
+            for name, z, f in zip(self.names, nonzero, flushed):
+                values[tags.per_parameter(tags.GRAD_UNDERFLOW, name)] = ratio(f, z)
+        top = max(max_scaled, default=0.0) if all(map(math.isfinite, max_scaled)) else math.nan
+        if 0 < top < math.inf:  # a NaN/inf in the fp32 reference itself: no headroom to speak of
+            values[tags.SCALE_HEADROOM] = math.log2(self.fmt.max / top)  # negative: the scale overflows
+        sink.scalars(values, step)
+
+
+# ----------------------------------------------------------------------------------------- the loss scale
+class LossScaleLog(Statistic):
+    """The loss scale, skipped steps and their causes, from what a step policy reports (no tensors, no sync).
+
+    Per optimizer step :meth:`step` writes ``mpt/loss_scale``, ``mpt/skipped_steps`` and ``mpt/overflow`` (every
+    ``every_n_steps`` steps, and at every skipped step and scale change), ``mpt/scale_change``; at a skipped step
+    also ``mpt/nonfinite_param_count``, ``mpt/loss_nonfinite``, the text ``mpt/nonfinite_params`` and the record
+    ``mpt/data/skipped_step`` (every name). :meth:`stopped` writes the record ``mpt/data/stopped``; :meth:`summary`
+    the text ``mpt/overflow_summary`` and the record ``mpt/data/overflow_summary``.
+
+    Args:
+        every_n_steps: write the scale every this many steps.
+        max_names: parameter names listed per skipped step in the texts (the records hold all).
+    """
+
+    def __init__(
+        self, every_n_steps: int = 1, max_names: int = 10, owner: str = "diagnostics", strict: Optional[bool] = None
+    ) -> None:
+        super().__init__(owner, f"the loss-scale log ({tags.LOSS_SCALE}, {tags.SKIPPED_STEPS}, ...)", strict)
+        self.every_n_steps = every_n_steps
+        self.max_names = max_names
+        self.overflow_counts: Counter[str] = Counter()
+        self.overflows = 0  # skipped steps seen, cumulative (also across a resume)
+
+    def step(
+        self,
+        sink: Sink,
+        step: int,
+        scale: float,
+        after: float,
+        skipped: bool,
+        names: Callable[[], list[str]],
+        loss_finite: Optional[bool],
+    ) -> None:
+        """One optimizer step: the scale its gradients were computed with, the scale after it, whether it was
+        skipped, the names of the parameters with inf/NaN gradients (called at skipped steps only: it may read the
+        device) and whether the loss was finite (``None``: unknown)."""
+        if skipped:
+            self.overflows += 1
+        if not (self.enabled and sink.active):
+            return
+        with self.guarded():
+            changed = after != scale
+            values: dict[str, Optional[float]] = {}
+            if step % self.every_n_steps == 0 or skipped or changed:
+                values.update({tags.LOSS_SCALE: scale, tags.SKIPPED_STEPS: self.overflows, tags.OVERFLOW: float(skipped)})
+            if changed and scale > 0 and after > 0:
+                values[tags.SCALE_CHANGE] = math.log2(after / scale)
+            if skipped:
+                bad = names()
+                self.overflow_counts.update(bad)
+                values[tags.NONFINITE_PARAMS] = len(bad)
+                if loss_finite is not None:
+                    values[tags.LOSS_NONFINITE] = float(not loss_finite)
+                shown = ", ".join(f"`{n}`" for n in bad[: self.max_names])
+                more = f" and {len(bad) - self.max_names} more" if len(bad) > self.max_names else ""
+                loss = "unknown" if loss_finite is None else ("finite" if loss_finite else "**non-finite**")
+                sink.text(
+                    tags.NONFINITE_TEXT,
+                    f"step {step} skipped: {len(bad)} parameter(s) with inf/NaN gradients: "
+                    f"{shown or '(none found)'}{more}; loss {loss}; scale {scale:g} -> {after:g}",
+                    step,
+                )
+                sink.record(
+                    tags.SKIP_RECORD,
+                    {"step": step, "scale": _json_float(scale), "scale_after": _json_float(after), "params": bad,
+                     "loss_finite": loss_finite},
+                    step,
+                )
+            sink.scalars(values, step)
+
+    def stopped(self, sink: Sink, step: int, error: BaseException) -> None:
+        """Training stopped at ``step`` with ``error`` (the guard's ``NonFiniteGradientError``)."""
+        if not (self.enabled and sink.active):
+            return
+        with self.guarded():
+            sink.record(tags.STOP_RECORD, {"step": step, "error": type(error).__name__, "message": str(error)}, step)
+
+    def summary(self, sink: Sink, step: int) -> None:
+        """At the end of training: the parameters most often non-finite (a text, when there were skips) and the
+        counts of every parameter (a record, always)."""
+        if not (self.enabled and sink.active):
+            return
+        with self.guarded():
+            counts = self.overflow_counts.most_common()
+            sink.record(
+                tags.SUMMARY_RECORD, {"step": step, "skipped_steps": self.overflows, "params": dict(counts)}, step
+            )
+            if self.overflows:
+                top = "\n".join(f"| `{n}` | {c} |" for n, c in counts[: self.max_names])
+                sink.text(
+                    tags.OVERFLOW_SUMMARY,
+                    f"{self.overflows} skipped step(s). Parameters with inf/NaN gradients, most frequent first:\n\n"
+                    f"| parameter | skipped steps |\n|---|---|\n{top}",
+                    step,
+                )
+
+
+def _json_float(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
