@@ -66,3 +66,17 @@ def after_closure(plugin: Any, model: Any, optimizer: Any) -> None:
 def lr_scheduler_base() -> Optional[type]:
     """torch's LR scheduler base class (public name ``LRScheduler`` since torch 2.0)."""
     return getattr(torch.optim.lr_scheduler, "LRScheduler", None)
+
+
+# --- FSDP2 (torch.distributed.fsdp.fully_shard) -----------------------------------------------------------------------
+
+
+def fsdp_mp_policy(module: Any) -> Optional[Any]:
+    """The ``MixedPrecisionPolicy`` that ``fully_shard(module, mp_policy=...)`` was given, or ``None`` if it cannot be
+    read. FSDP2 has no public getter: the policy lives on the module's FSDP state as ``_mp_policy`` (torch 2.4 to
+    2.13 at least; ``fully_shard.state(module)`` is the state accessor that torch's ``contract`` decorator documents).
+    The plugin reads it once at set-up, to check that the model all-gathers in the plugin's half format."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    return getattr(state, "_mp_policy", None) if state is not None else None
