@@ -80,3 +80,13 @@ def fsdp_mp_policy(module: Any) -> Optional[Any]:
 
     state = fully_shard.state(module)  # type: ignore[attr-defined]
     return getattr(state, "_mp_policy", None) if state is not None else None
+
+
+def dispatch_mode() -> type:
+    """torch's ``TorchDispatchMode`` (``torch.utils._python_dispatch``, torch >= 1.13): the base of a mode that sees
+    every op below autograd, c10d collectives included. :class:`~lightning_mpt.fsdp.CollectiveBytes` counts the bytes
+    of FSDP's collectives with it. (The public ``CommDebugMode`` is one such mode, but it counts calls, not bytes, and
+    its module tracker fails on a LightningModule sharded with ``fully_shard``.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
