@@ -8,11 +8,13 @@ at the first fit). Every fit writes what each rank saw to ``OUT/<run>/rank<r>.js
 
 Scenarios:
   compare     a small transformer, bf16, 12 steps: FSDP2 + MPTPrecision, FSDP2 + Lightning's "bf16-mixed" (same
-              sharding and policy), DDP + MPTPrecision; a tiny MLP, fp16 with a dynamic scale: FSDP2 and DDP.
+              sharding and policy), DDP + MPTPrecision; a tiny MLP, fp16 with a dynamic scale: FSDP2, DDP and
+              Lightning's GradScaler on FSDP2; with gradient accumulation; with torch's own policy.
   inject      fp16 under FSDP2 with an inf written into rank 1's gradient shard only, at one step.
   clip        clipping by norm (FSDP2 and DDP) and by value (FSDP2) of the unscaled gradients, with global norms.
   checkpoint  12 steps straight vs 6 + resume, from a sharded and from a full checkpoint; the saved files.
   crossload   full FSDP2 checkpoint -> DDP model, DDP checkpoint -> FSDP2 model (Lightning's GPU tests, on CPU).
+  init        a model created on the meta device, materialized and sharded; the sharded state dict's keys.
   unsharded   (last: it raises, and Lightning then kills rank 1) a configure_model that shards nothing.
 """
 
@@ -208,6 +210,8 @@ class Record(L.Callback):
         self.batch = sha(list(batch))
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == (self.rows[-1]["step"] if self.rows else 0):
+            return  # no optimizer step in this batch (gradient accumulation, a resumed run's last batch)
         plugin = trainer.precision_plugin
         opt = trainer.optimizers[0]
         row: dict[str, Any] = {"step": trainer.global_step, "loss": module.losses[-1], "batch": self.batch}
@@ -299,6 +303,9 @@ def compare(out: Path) -> None:
     lightning16 = mlp(policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=4)
     run(out, "mlp-fsdp-lightning16", lightning16, fsdp(), MixedPrecision("16-mixed", "cpu", scaler), mlp_data())
+    # gradient accumulation: FSDP reduce-scatters every micro-batch into fp32 shards, DDP all-reduces once
+    run(out, "mlp-fsdp-accum", mlp(), fsdp(), fp16(), mlp_data(), steps=6, accumulate_grad_batches=2)
+    run(out, "mlp-ddp-accum", mlp(), "ddp", fp16(), mlp_data(), steps=6, accumulate_grad_batches=2)
     # torch's own policy with the plugin's half format and fp32 gradient reduction
     run(out, "mlp-fsdp-mpt16-torchpolicy", mlp(policy="torch", reduce_fp32=True), fsdp(), fp16(), mlp_data())
     # norm layers left inside their group: all-gathered in the half format
@@ -389,6 +396,25 @@ def crossload(out: Path) -> None:
         })
 
 
+def init(out: Path) -> None:
+    """Lightning's test_module_init_context and test_strategy_state_dict (GPU-only there), on CPU: a model created
+    on the meta device under ``trainer.init_module(empty_init=True)`` is materialized, sharded and trained; the
+    strategy's sharded state dict has the keys of the plain model and fp32 shards."""
+    L.seed_everything(0, verbose=False)
+    trainer = quiet_trainer(strategy=fsdp(), devices=2, max_steps=3, plugins=[MPTPrecision("bf16")],
+                            callbacks=[Record(out, "meta-init")])
+    with trainer.init_module(empty_init=True):
+        model = MLP()
+    on_meta = model.model[0].weight.is_meta
+    trainer.fit(model, mlp_data())
+    state = trainer.strategy.lightning_module_state_dict()
+    write(out / "meta-init-result", trainer.global_rank, {
+        "was_meta": on_meta,
+        "keys_equal": list(state) == list(MLP().state_dict()),
+        "types": sorted({f"{type(v).__name__} {v.dtype}" for v in state.values()}),
+    })
+
+
 def unsharded(out: Path) -> None:
     L.seed_everything(0, verbose=False)
     try:
@@ -398,7 +424,7 @@ def unsharded(out: Path) -> None:
 
 
 SCENARIOS = {"compare": compare, "inject": inject, "clip": clip, "checkpoint": checkpoint, "crossload": crossload,
-             "unsharded": unsharded}
+             "init": init, "unsharded": unsharded}
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ def training(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return worker(tmp_path_factory.mktemp("fsdp-ckpt"), "checkpoint", "crossload", "unsharded")
+    return worker(tmp_path_factory.mktemp("fsdp-ckpt"), "checkpoint", "crossload", "init", "unsharded")
 
 
 def read(out: Path, run: str, rank: int) -> dict[str, Any]:
@@ -95,6 +95,21 @@ def test_fp16_dynamic_scale_matches_ddp_and_lightning(training):
         assert [r["loss_scale"] for r in mpt] == [r["scale"] for r in lightning]  # the scale after each step
         for a, b, c in zip(mpt, ddp, lightning):
             assert rel(a["loss"], b["loss"]) < 2**-10 and rel(a["loss"], c["loss"]) < 0.005
+
+
+def test_gradient_accumulation_decides_once_per_optimizer_step(training):
+    """2 micro-batches per step. FSDP2 reduce-scatters each micro-batch and accumulates the fp32 shards, where DDP
+    accumulates the half gradients and all-reduces once: FSDP2 may overflow less often, never more."""
+    for rank in (0, 1):
+        fsdp, ddp = rows(training, "mlp-fsdp-accum", rank), rows(training, "mlp-ddp-accum", rank)
+        assert len(fsdp) == len(ddp) == 6  # 12 micro-batches, 6 optimizer steps
+        assert [r["skipped"] for r in fsdp[:3]] == [True, True, True]  # 2^20 is too high: one skip per step ...
+        assert [r["scale"] for r in fsdp[:4]] == [2.0**20, 2.0**19, 2.0**18, 2.0**17]  # ... and one back-off
+        keys = ("step", "batch", "scale", "skipped", "skipped_steps", "loss")
+        assert [[r[k] for k in keys] for r in fsdp[:4]] == [[r[k] for k in keys] for r in ddp[:4]]
+        assert all(d["skipped"] for f, d in zip(fsdp, ddp) if f["skipped"])
+        for a, b in zip(fsdp, fsdp[1:]):
+            assert b["scale"] == (a["scale"] / 2 if a["skipped"] else a["scale"])  # growth_interval 4 not reached
 
 
 def test_masters_are_the_sharded_fp32_parameters_and_compute_is_half(training):
@@ -187,6 +202,15 @@ def test_a_full_checkpoint_loads_into_a_ddp_model_and_back(checkpoints):
     assert into_ddp == {"keys_equal": True, "equal": True, "dtypes": ["torch.float32"]}
     back = json.loads((checkpoints / "cross-ddp-into-fsdp-result" / "rank0.json").read_text())
     assert back == {"equal": True, "keys_equal": True}
+
+
+def test_a_model_created_on_the_meta_device_is_sharded_and_trains(checkpoints):
+    """Lightning's test_module_init_context and test_strategy_state_dict (GPU-only there), under MPTPrecision."""
+    for rank in (0, 1):
+        result = json.loads((checkpoints / "meta-init-result" / f"rank{rank}.json").read_text())
+        assert result == {"was_meta": True, "keys_equal": True, "types": ["DTensor torch.float32"]}
+        trained = rows(checkpoints, "meta-init", rank)
+        assert len(trained) == 3 and len({r["masters"] for r in trained}) == 3
 
 
 def test_a_configure_model_that_shards_nothing_is_refused(checkpoints):
