@@ -218,7 +218,8 @@ class Record(L.Callback):
         if isinstance(plugin, MPTPrecision):
             last = plugin.last_step
             row.update(scale=last.scale, skipped=last.skipped, skipped_steps=plugin.skipped_steps,
-                       culprits=last.nonfinite_params, loss_scale=plugin.loss_scale)
+                       culprits=last.nonfinite_params, loss_scale=plugin.loss_scale,
+                       last_step_skipped=plugin.last_step_skipped, history=len(plugin.history))
             masters = plugin.main_params(opt)
         else:
             scaler = getattr(plugin, "scaler", None)

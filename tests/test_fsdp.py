@@ -147,6 +147,8 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both(training):
             b["scale"], b["skipped"], b["skipped_steps"], b["loss_scale"]
         )
     assert [r["skipped"] for r in rank0] == [False, False, False, True, False, False, False, False]
+    assert [r["last_step_skipped"] for r in rank0] == [r["skipped"] for r in rank0]
+    assert [r["history"] for r in rank0] == list(range(1, 9))  # plugin.history: one record per optimizer step
     skipped = rank0[3]
     assert skipped["culprits"] == rank1[3]["culprits"] == ["model.0.weight"]  # the original parameter name
     assert rank0[4]["scale"] == skipped["scale"] / 2 and rank0[-1]["skipped_steps"] == 1
@@ -362,7 +364,7 @@ def test_sharded_masters_skip_a_non_finite_step_and_name_the_parameter(one_proce
     assert optimizer.state == {} and engine.policy.loss_scale == 4.0
 
 
-def test_fsdp1_and_deepspeed_are_refused():
+def test_fsdp1_is_refused_naming_what_is_supported():
     import lightning as L
     from lightning.pytorch.strategies import FSDPStrategy
 
