@@ -74,10 +74,11 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch * length, vocab)`` (flat: a fresh tensor, not a view, leaves the FSDP root)."""
         x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x).flatten(0, 1))
 
 
 class LitGPT(L.LightningModule):
@@ -86,7 +87,7 @@ class LitGPT(L.LightningModule):
     Example::
 
         model = LitGPT(vocab=16, seq_len=8, dim=16, depth=1, heads=2)
-        assert model.model(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 16)
+        assert model.model(torch.zeros(2, 8, dtype=torch.long)).shape == (2 * 8, 16)
     """
 
     def __init__(self, vocab: int = 32, seq_len: int = 32, dim: int = 64, depth: int = 2, heads: int = 4,
@@ -113,7 +114,7 @@ class LitGPT(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (ids,) = batch
         logits = self.model(ids[:, :-1])
-        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss = nn.functional.cross_entropy(logits.float(), ids[:, 1:].flatten())
         self.log("train_loss", loss)
         return loss
 
