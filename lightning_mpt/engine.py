@@ -112,7 +112,9 @@ class MixedPrecisionEngine:
         on_edits: Optional[Callable[[list[str]], None]] = None,
         masters: Optional[Masters] = None,
     ) -> None:
-        self.masters: Masters = masters if masters is not None else MasterWeights(dtype, keep_fp32, enabled=master_weights)
+        if masters is None:
+            masters = MasterWeights(dtype, keep_fp32, enabled=master_weights)
+        self.masters: Masters = masters
         self.policy = StepPolicy(scaler, max_consecutive_skips)
         self.on_edits = on_edits
         self._pending: dict[Optimizer, PendingStep] = {}
