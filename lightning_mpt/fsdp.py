@@ -134,7 +134,8 @@ def check_sharding(
         raise ValueError(
             f"MPTPrecision under FSDP2: the sharded parameters {_some(not_fp32)} are not fp32. FSDP2 shards the "
             "parameters as they are when fully_shard is called, and those shards are the fp32 master weights: build "
-            "the model in fp32 (no .half()/.bfloat16(), no '-true' precision); the plugin's policy sets the half format."
+            "the model in fp32 (no .half()/.bfloat16(), no '-true' precision); the plugin's policy sets the half "
+            "format."
         )
     name_of = "fp16" if dtype == torch.float16 else "bf16"
     half_kept = []

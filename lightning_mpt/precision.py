@@ -401,11 +401,12 @@ class _MasterView:
 
 
 def _report_half_kept(names: list[str]) -> None:
+    shown = ", ".join(names[:8]) + (" and more" if len(names) > 8 else "")
     rank_zero_info(
-        f"MPTPrecision: FSDP2 all-gathers the parameters of {', '.join(names[:8])}"
-        f"{' and more' if len(names) > 8 else ''} in the half format with the block they belong to (one policy per fully_shard group). Their fp32 masters, "
-        "gradients, optimizer state and buffers stay fp32 and autocast runs norm ops in fp32. To compute with fp32 "
-        "weights too, shard each of them on its own before its block: fully_shard(norm, mesh=mesh)."
+        f"MPTPrecision: FSDP2 all-gathers the parameters of {shown} in the half format with the block they belong to "
+        "(one policy per fully_shard group). Their fp32 masters, gradients, optimizer state and buffers stay fp32 "
+        "and autocast runs norm ops in fp32. To compute with fp32 weights too, shard each of them on its own before "
+        "its block: fully_shard(norm, mesh=mesh)."
     )
 
 
