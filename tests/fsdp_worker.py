@@ -11,11 +11,12 @@ Scenarios:
               sharding and policy), DDP + MPTPrecision; a tiny MLP, fp16 with a dynamic scale: FSDP2, DDP and
               Lightning's GradScaler on FSDP2; with gradient accumulation; with torch's own policy.
   inject      fp16 under FSDP2 with an inf written into rank 1's gradient shard only, at one step.
+  guard       the same at two steps in a row, with max_consecutive_skips=2: NonFiniteGradientError on both ranks.
   clip        clipping by norm (FSDP2 and DDP) and by value (FSDP2) of the unscaled gradients, with global norms.
   checkpoint  12 steps straight vs 6 + resume, from a sharded and from a full checkpoint; the saved files.
   crossload   full FSDP2 checkpoint -> DDP model, DDP checkpoint -> FSDP2 model (Lightning's GPU tests, on CPU).
   init        a model created on the meta device, materialized and sharded; the sharded state dict's keys.
-  unsharded   (last: it raises, and Lightning then kills rank 1) a configure_model that shards nothing.
+  unsharded   a configure_model that shards nothing: the plugin's error, on both ranks.
 """
 
 from __future__ import annotations
@@ -320,6 +321,19 @@ def inject(out: Path) -> None:
         callbacks=(InjectLocal("model.0.weight", step=3, rank=1),))
 
 
+def guard(out: Path) -> None:
+    """Two skipped steps in a row with ``max_consecutive_skips=2``: the guard stops the run on both ranks."""
+    from lightning_mpt import NonFiniteGradientError
+
+    L.seed_everything(0, verbose=False)
+    plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=1024.0), max_consecutive_skips=2)
+    injects = (InjectLocal("model.3.weight", step=2, rank=1), InjectLocal("model.3.weight", step=3, rank=1))
+    try:
+        run(out, "guard", MLP(), fsdp(), plugin, mlp_data(), steps=6, callbacks=injects)
+    except NonFiniteGradientError as err:
+        write(out / "guard-error", torch.distributed.get_rank(), {"error": str(err), "steps": len(plugin.history)})
+
+
 def clip(out: Path) -> None:
     for name, strategy, algorithm in (("clip-fsdp-norm", fsdp(), "norm"), ("clip-ddp-norm", "ddp", "norm"),
                                       ("clip-fsdp-value", fsdp(), "value")):
@@ -424,8 +438,10 @@ def unsharded(out: Path) -> None:
         write(out / "unsharded-error", torch.distributed.get_rank(), {"error": str(err)})
 
 
-SCENARIOS = {"compare": compare, "inject": inject, "clip": clip, "checkpoint": checkpoint, "crossload": crossload,
-             "init": init, "unsharded": unsharded}
+SCENARIOS = {
+    "compare": compare, "inject": inject, "guard": guard, "clip": clip, "checkpoint": checkpoint,
+    "crossload": crossload, "init": init, "unsharded": unsharded,
+}
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ def worker(out: Path, *scenarios: str) -> Path:
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return worker(tmp_path_factory.mktemp("fsdp-train"), "compare", "inject", "clip")
+    return worker(tmp_path_factory.mktemp("fsdp-train"), "compare", "inject", "guard", "clip")
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +157,14 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both(training):
         assert rank_rows[4]["masters"] != rank_rows[3]["masters"]
 
 
+def test_the_guard_stops_both_ranks_and_names_the_parameter(training):
+    for rank in (0, 1):
+        guard = json.loads((training / "guard-error" / f"rank{rank}.json").read_text())
+        assert guard["steps"] == 4  # steps 0, 1 taken; 2, 3 skipped: stopped there
+        assert "2 optimizer steps in a row were skipped" in guard["error"]
+        assert "parameters with non-finite gradients: model.3.weight" in guard["error"]
+
+
 def test_clipping_acts_on_the_unscaled_gradients_over_all_shards(training):
     fsdp, ddp = read(training, "clip-fsdp-norm", 0)["norms"], read(training, "clip-ddp-norm", 0)["norms"]
     assert fsdp == read(training, "clip-fsdp-norm", 1)["norms"]  # one global norm, the same on both ranks
@@ -217,6 +225,7 @@ def test_a_model_created_on_the_meta_device_is_sharded_and_trains(checkpoints):
 
 def test_a_configure_model_that_shards_nothing_is_refused(checkpoints):
     error = json.loads((checkpoints / "unsharded-error" / "rank0.json").read_text())["error"]
+    assert error == json.loads((checkpoints / "unsharded-error" / "rank1.json").read_text())["error"]
     assert "configure_model did not shard anything" in error
     assert "fully_shard(self.model, mesh=mesh, mp_policy=policy)" in error  # says how
     assert "supports one device, the DDP family and ModelParallelStrategy with FSDP2" in error
