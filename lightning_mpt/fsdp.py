@@ -20,6 +20,9 @@ Under Lightning's ``ModelParallelStrategy`` the LightningModule's ``configure_mo
   ``clip_grad_norm_`` computes the total norm of ``DTensor`` gradients over all shards.
 * **checkpoints**: the module's state dict holds the fp32 shards. Lightning's ``ModelParallelStrategy`` saves them
   sharded (distributed checkpoint) or gathered into one file (``save_distributed_checkpoint=False``).
+
+:func:`check_sharding` says what is wrong with a sharding the plugin cannot use, and how to fix it;
+:class:`CollectiveBytes` counts the bytes that FSDP's all-gathers and reduce-scatters move.
 """
 
 from __future__ import annotations
