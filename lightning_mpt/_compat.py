@@ -129,3 +129,27 @@ METRIC_CACHE_ATTRIBUTES = ("_update_count", "_computed", "_forward_cache", "_is_
 def metric_private_state(metric: Any) -> dict[str, Any]:
     """The values of :data:`METRIC_CACHE_ATTRIBUTES` that ``metric`` has, to restore with ``setattr``."""
     return {k: metric.__dict__[k] for k in METRIC_CACHE_ATTRIBUTES if k in metric.__dict__}
+
+
+# --- FSDP2 (torch.distributed.fsdp.fully_shard) -----------------------------------------------------------------------
+
+
+def fsdp_mp_policy(module: Any) -> Optional[Any]:
+    """The ``MixedPrecisionPolicy`` that ``fully_shard(module, mp_policy=...)`` was given, or ``None`` if it cannot be
+    read. FSDP2 has no public getter: the policy lives on the module's FSDP state as ``_mp_policy`` (torch 2.4 to
+    2.13 at least; ``fully_shard.state(module)`` is the state accessor that torch's ``contract`` decorator documents).
+    The plugin reads it once at set-up, to check that the model all-gathers in the plugin's half format."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    return getattr(state, "_mp_policy", None) if state is not None else None
+
+
+def dispatch_mode() -> type:
+    """torch's ``TorchDispatchMode`` (``torch.utils._python_dispatch``, torch >= 1.13): the base of a mode that sees
+    every op below autograd, c10d collectives included. :class:`~lightning_mpt.fsdp.CollectiveBytes` counts the bytes
+    of FSDP's collectives with it. (The public ``CommDebugMode`` is one such mode, but it counts calls, not bytes, and
+    its module tracker fails on a LightningModule sharded with ``fully_shard``.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -34,8 +34,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +64,29 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
+class Masters(Protocol):
+    """What the engine (and a plugin) asks of the fp32 masters of a half-precision model. Two implementations:
+    :class:`~lightning_mpt.master.MasterWeights`, an fp32 copy of each half parameter (one device, DDP), and
+    :class:`~lightning_mpt.fsdp.ShardedMasters`, FSDP2's own sharded fp32 parameters (no copy)."""
+
+    def convert(self, module: nn.Module) -> nn.Module: ...
+    def restore(self) -> None: ...
+    def adopt_optimizer(self, optimizer: Optimizer) -> list[Any]: ...
+    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> PreparedGrads: ...
+    def adopt_edits(self, prepared: PreparedGrads, flags: list[float]) -> list[str]: ...
+    def enter(self, optimizer: Optimizer, prepared: PreparedGrads) -> None: ...
+    def exit(self, optimizer: Optimizer, prepared: PreparedGrads, stepped: bool) -> None: ...
+    def discard(self, prepared: PreparedGrads) -> None: ...
+    def release_stepped(self, drop_module_grads: bool) -> None: ...
+    def name_of(self, param: Tensor) -> str: ...
+    def master_of(self, param: Tensor) -> Tensor: ...
+    def main_params(self, params: Iterable[Tensor]) -> list[Tensor]: ...
+    def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]: ...
+    def follow_devices(self) -> None: ...
+    def broadcast(self, src: int = 0) -> None: ...
+    def refresh(self) -> None: ...
+
+
 class _SkippedStep(Exception):
     """Raised inside the optimizer's closure to leave ``optimizer.step()`` before it changes anything."""
 
@@ -79,6 +103,8 @@ class MixedPrecisionEngine:
         accumulate_fp32: sum the gradients of micro-batches in fp32 (torch >= 2.13); see :meth:`scale_loss`.
         on_edits: called with the names of parameters whose half weights were edited in place outside the step
             (the edits are adopted by the masters either way).
+        masters: the masters implementation; ``None`` for :class:`MasterWeights` with the arguments above. A plugin
+            may also assign :attr:`masters` before :meth:`convert` (the FSDP2 path does, once it sees the module).
     """
 
     def __init__(
@@ -90,8 +116,11 @@ class MixedPrecisionEngine:
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
         on_edits: Optional[Callable[[list[str]], None]] = None,
+        masters: Optional[Masters] = None,
     ) -> None:
-        self.masters = MasterWeights(dtype, keep_fp32, enabled=master_weights)
+        if masters is None:
+            masters = MasterWeights(dtype, keep_fp32, enabled=master_weights)
+        self.masters: Masters = masters
         self.accumulate_fp32 = accumulate_fp32
         self.policy = StepPolicy(scaler, max_consecutive_skips)
         self.on_edits = on_edits

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Callable, Literal, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Union
 
 import torch
 from torch import Tensor
@@ -23,15 +23,18 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mpt import _compat
 from lightning_mpt._attributes import EngineAttributes
 from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
-from lightning_mpt.engine import MixedPrecisionEngine
+from lightning_mpt.engine import Masters, MixedPrecisionEngine
 from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strategy"]
 
@@ -93,18 +96,62 @@ class MPTPrecision(EngineAttributes, Precision):
             dtype, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32, self._report_edits
         )
         self._policy, self._masters = self._engine.policy, self._engine.masters  # the pieces it delegates to
+        self._copy_masters = self._masters  # one device and DDP: an fp32 copy; FSDP2: its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._reported_edits: set[str] = set()
         self._swa: list[Any] = []  # StochasticWeightAveraging callbacks adapted to the masters
 
     _access = "trainer.precision_plugin"
 
+    @property
+    def mp_policy(self) -> "MixedPrecisionPolicy":
+        """FSDP2's mixed-precision policy for this plugin: pass it to ``fully_shard`` in ``configure_model`` under
+        Lightning's ``ModelParallelStrategy``.
+
+        Parameters are all-gathered and computed in the plugin's half format and gradients reduce-scattered in it
+        (half the bytes of fp32); FSDP keeps the fp32 shards, which are the masters. For fp32 gradient reduction pass
+        ``dataclasses.replace(plugin.mp_policy, reduce_dtype=torch.float32)`` instead. See docs/distributed.md.
+
+        Example:
+            ```python
+            plugin = MPTPrecision("bf16")
+            assert plugin.mp_policy.param_dtype == plugin.mp_policy.reduce_dtype == torch.bfloat16
+            # in configure_model: fully_shard(block, mp_policy=self.trainer.precision_plugin.mp_policy)
+            ```
+        """
+        from lightning_mpt.fsdp import mixed_precision_policy
+
+        return mixed_precision_policy(self._dtype)
+
     # ------------------------------------------------------------------ model set-up and teardown
     def convert_module(self, module: Module) -> Module:
         trainer = _compat.attached_trainer(module)
-        if trainer is not None:
-            check_strategy(trainer.strategy)
+        strategy = trainer.strategy if trainer is not None else None
+        if strategy is not None:
+            check_strategy(strategy)
+        self._masters = self._engine.masters = self._masters_for(module, strategy)
         return self._masters.convert(module)
+
+    def _masters_for(self, module: Module, strategy: Any) -> Masters:
+        """FSDP2's own fp32 shards under ``ModelParallelStrategy`` (or for a module sharded with ``fully_shard``),
+        an fp32 copy otherwise."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        model_parallel = isinstance(strategy, ModelParallelStrategy)
+        try:
+            from lightning_mpt import fsdp
+        except ImportError as err:  # torch < 2.6 has no public FSDP2 (torch.distributed.fsdp.fully_shard)
+            if model_parallel:
+                raise ImportError("MPTPrecision under ModelParallelStrategy needs torch >= 2.6 (FSDP2).") from err
+            return self._copy_masters
+        if not (model_parallel or fsdp.is_sharded(module)):
+            return self._copy_masters
+        if not self.master_weights:
+            raise ValueError(
+                "MPTPrecision(master_weights=False) is not supported under FSDP2: FSDP2 keeps fp32 parameter shards, "
+                "which are the master weights. Use master_weights=True (the default)."
+            )
+        return fsdp.ShardedMasters(self._dtype, self.keep_fp32, on_half_kept=_report_half_kept)
 
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -270,16 +317,33 @@ class _MasterView:
         return iter(self.masters.main_params(self.module.parameters()))
 
 
-def check_strategy(strategy: Any) -> None:
-    """Raise a clear error unless ``strategy`` is one that :class:`MPTPrecision` supports (one device or DDP)."""
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
-    from lightning.pytorch.strategies import SingleDeviceXLAStrategy, XLAStrategy
+def _report_half_kept(names: list[str]) -> None:
+    shown = ", ".join(names[:8]) + (" and more" if len(names) > 8 else "")
+    rank_zero_info(
+        f"MPTPrecision: FSDP2 all-gathers the parameters of {shown} in the half format with the block they belong to "
+        "(one policy per fully_shard group). Their fp32 masters, gradients, optimizer state and buffers stay fp32 "
+        "and autocast runs norm ops in fp32. To compute with fp32 weights too, shard each of them on its own before "
+        "its block: fully_shard(norm, mesh=mesh)."
+    )
 
-    supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
+
+def check_strategy(strategy: Any) -> None:
+    """Raise a clear error unless ``strategy`` is one that :class:`MPTPrecision` supports: one device, DDP, or
+    ``ModelParallelStrategy`` with FSDP2 (``fully_shard``)."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import SingleDeviceStrategy, SingleDeviceXLAStrategy, XLAStrategy
+
+    supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
     if not supported or isinstance(strategy, (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)):
+        own = isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy))
         raise ValueError(
             f"MPTPrecision does not support the {type(strategy).__name__} strategy. Supported: a single device "
-            "('auto' on one device) and the DDP family ('ddp', 'ddp_spawn', 'ddp_fork', 'ddp_notebook'). "
-            "Sharded strategies (FSDP, DeepSpeed, model parallel) bring their own mixed precision: use "
-            "Trainer(precision='16-mixed' or 'bf16-mixed') with them."
+            "('auto' on one device), the DDP family ('ddp', 'ddp_spawn', 'ddp_fork', 'ddp_notebook') and FSDP2: "
+            "ModelParallelStrategy with fully_shard in configure_model (see docs/distributed.md). "
+            + (
+                "DeepSpeed and FSDP1 ('fsdp') bring their own mixed precision: use Trainer(precision='16-mixed' or "
+                "'bf16-mixed') with them, or move to FSDP2."
+                if own
+                else ""
+            )
         )

@@ -1,0 +1,405 @@
+"""FSDP2: mixed precision on torch's ``fully_shard``, whose sharded fp32 parameters are the masters (pure torch).
+
+Under Lightning's ``ModelParallelStrategy`` the LightningModule's ``configure_model`` shards the model with
+``torch.distributed.fsdp.fully_shard``, passing the plugin's policy (:func:`mixed_precision_policy`,
+``MPTPrecision.mp_policy``). Then every piece of a mixed-precision step is torch's own, and
+:class:`ShardedMasters` only unscales, decides and names:
+
+* **masters**: FSDP2 keeps each parameter as an fp32 shard (a ``DTensor``) and the optimizer steps those shards.
+  There is no second fp32 copy.
+* **half format**: the policy's ``param_dtype``. Before a block's forward (and backward) FSDP all-gathers its
+  parameters in that format, the compute copy, and frees them after use. The gradients are reduce-scattered in
+  ``reduce_dtype`` (half by default) and FSDP keeps each rank's gradient shard in fp32.
+* **scaling and skipping** (DESIGN.md §3): the loss is scaled before backward. At the step
+  :meth:`ShardedMasters.prepare` unscales the fp32 gradient shards in place with torch's fused AMP kernel, on each
+  rank's local shards. The step policy all-reduces the non-finite flag (max) in the step's one collective, so
+  every rank skips the same steps and holds the same scale.
+* **culprits**: on a skipped step the per-parameter non-finite flags of the local shards are all-reduced (one more
+  collective, on skipped steps only) and named by the module's own parameter names, which FSDP2 keeps.
+* **clipping**: Lightning clips the plugin's ``main_params``, which here are the sharded parameters. torch's
+  ``clip_grad_norm_`` computes the total norm of ``DTensor`` gradients over all shards.
+* **checkpoints**: the module's state dict holds the fp32 shards. Lightning's ``ModelParallelStrategy`` saves them
+  sharded (distributed checkpoint) or gathered into one file (``save_distributed_checkpoint=False``).
+
+:func:`check_sharding` says what is wrong with a sharding the plugin cannot use, and how to fix it;
+:class:`CollectiveBytes` counts the bytes that FSDP's all-gathers and reduce-scatters move.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_mpt import _compat
+from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES, PreparedGrads
+
+__all__ = [
+    "CollectiveBytes", "ShardedGrads", "ShardedMasters", "check_sharding", "is_sharded", "mixed_precision_policy"
+]
+
+_HOW = (
+    "In the LightningModule's configure_model, shard the blocks and then the model's root module with torch's "
+    "fully_shard and the plugin's policy:\n"
+    "    policy = self.trainer.precision_plugin.mp_policy\n"
+    "    mesh = self.device_mesh['data_parallel']\n"
+    "    for block in self.model.blocks:\n"
+    "        fully_shard(block, mesh=mesh, mp_policy=policy)\n"
+    "    fully_shard(self.model, mesh=mesh, mp_policy=policy)"
+)
+
+
+def mixed_precision_policy(dtype: torch.dtype, reduce_dtype: Optional[torch.dtype] = None) -> MixedPrecisionPolicy:
+    """FSDP2's ``MixedPrecisionPolicy`` for a half format: parameters all-gathered and computed in ``dtype``,
+    gradients reduce-scattered in ``reduce_dtype`` (``dtype`` by default; ``torch.float32`` is the other choice).
+
+    Example:
+        ```python
+        policy = mixed_precision_policy(torch.bfloat16)
+        assert policy.param_dtype == policy.reduce_dtype == torch.bfloat16
+        assert mixed_precision_policy(torch.float16, torch.float32).reduce_dtype == torch.float32
+        ```
+    """
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    reduce_dtype = dtype if reduce_dtype is None else reduce_dtype
+    if reduce_dtype not in (dtype, torch.float32):
+        raise ValueError(f"reduce_dtype must be {dtype} or torch.float32, got {reduce_dtype}")
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) was applied to ``module`` or to one of its submodules.
+
+    Example:
+        ```python
+        assert not is_sharded(nn.Linear(2, 2))
+        ```
+    """
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def check_sharding(
+    module: nn.Module, dtype: torch.dtype, keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32
+) -> list[str]:
+    """Check that ``module`` is sharded with FSDP2 as the plugin needs; raise a ``ValueError`` that says how to fix
+    it otherwise. Returns the names of ``keep_fp32`` modules (norm layers) whose parameters FSDP all-gathers in the
+    half format, with the block they belong to.
+
+    What is checked: some module was sharded; every trainable parameter is an fp32 shard (the masters); each
+    ``fully_shard`` group all-gathers in ``dtype``, or in fp32 if it holds ``keep_fp32`` modules only (a norm layer
+    sharded on its own); gradients are reduced in ``dtype`` or fp32.
+
+    Example:
+        ```python
+        try:
+            check_sharding(nn.Linear(2, 2), torch.bfloat16)
+        except ValueError as err:
+            assert "no FSDP2 module" in str(err)
+        ```
+    """
+    groups = {name: m for name, m in module.named_modules() if isinstance(m, FSDPModule)}
+    if not groups:
+        raise ValueError(
+            f"MPTPrecision under FSDP2 needs a model sharded with torch's fully_shard, and {type(module).__name__} has "
+            f"no FSDP2 module: configure_model did not shard anything. {_HOW}\n"
+            "MPTPrecision supports one device, the DDP family and ModelParallelStrategy with FSDP2 (fully_shard). "
+            "Tensor parallelism without fully_shard, FSDP1 ('fsdp') and DeepSpeed are not supported."
+        )
+    kept = {name for name, m in module.named_modules() if isinstance(m, keep_fp32)}
+    members: dict[str, list[tuple[str, bool]]] = defaultdict(list)  # group name -> (parameter name, in a kept module)
+    unsharded, not_fp32 = [], []
+    for name, p in module.named_parameters():
+        owner = name.rpartition(".")[0]
+        group = _nearest(owner, groups)
+        if not p.requires_grad:
+            continue
+        if group is None or not isinstance(p, DTensor):
+            unsharded.append(name)
+        elif p.dtype != torch.float32:
+            not_fp32.append(f"{name} ({p.dtype})")
+        else:
+            members[group].append((name, _nearest(owner, kept) is not None))
+    if unsharded:
+        raise ValueError(
+            f"MPTPrecision under FSDP2: the parameters {_some(unsharded)} are not sharded by fully_shard, so nothing "
+            f"would reduce their gradients across processes. Call fully_shard on the root module last. {_HOW}"
+        )
+    if not_fp32:
+        raise ValueError(
+            f"MPTPrecision under FSDP2: the sharded parameters {_some(not_fp32)} are not fp32. FSDP2 shards the "
+            "parameters as they are when fully_shard is called, and those shards are the fp32 master weights: build "
+            "the model in fp32 (no .half()/.bfloat16(), no '-true' precision); the plugin's policy sets the half "
+            "format."
+        )
+    name_of = "fp16" if dtype == torch.float16 else "bf16"
+    half_kept = []
+    for group, params in members.items():
+        policy = _compat.fsdp_mp_policy(groups[group])
+        if policy is None:  # a torch that hides the policy: nothing to check
+            continue
+        param_dtype = policy.param_dtype or torch.float32
+        reduce_dtype = policy.reduce_dtype or param_dtype
+        where = f"fully_shard({group or '<root>'}, mp_policy={policy})"
+        only_kept = all(k for _, k in params)
+        if param_dtype == torch.float32 and not only_kept:
+            raise ValueError(
+                f"MPTPrecision('{name_of}') under FSDP2: {where} all-gathers {_some([n for n, k in params if not k])} "
+                f"in fp32, so they would compute in fp32. Pass the plugin's policy, "
+                f"mp_policy=self.trainer.precision_plugin.mp_policy (param_dtype={dtype}). Only modules of keep_fp32 "
+                "types (norm layers) may be sharded on their own in fp32."
+            )
+        if param_dtype not in (dtype, torch.float32) or reduce_dtype not in (dtype, torch.float32):
+            raise ValueError(
+                f"MPTPrecision('{name_of}') under FSDP2: {where} contradicts the plugin, whose half format is {dtype}. "
+                f"Use param_dtype={dtype} and reduce_dtype={dtype} or torch.float32, e.g. "
+                "mp_policy=self.trainer.precision_plugin.mp_policy."
+            )
+        if param_dtype == dtype:
+            half_kept += sorted({_nearest(n.rpartition(".")[0], kept) for n, k in params if k})  # type: ignore[misc]
+    return half_kept
+
+
+def _nearest(name: str, names: Any) -> Optional[str]:
+    """The longest of ``name``, its parents (``a.b`` -> ``a``) and the root ``""`` that is in ``names``."""
+    while True:
+        if name in names:
+            return name
+        if not name:
+            return None
+        name = name.rpartition(".")[0]
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of ``t`` (the tensor itself, not a copy: in-place ops on it change ``t``)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class ShardedGrads(PreparedGrads):
+    """The fp32 gradient shards of one optimizer, unscaled in place. FSDP's parameters are their own masters, so
+    they are all in ``own_params``."""
+
+    order: list[Tensor] = field(default_factory=list)  # every parameter of the optimizer: the same list on every rank
+    positions: list[int] = field(default_factory=list)  # where ``own_params`` sit in ``order``
+
+    def nonfinite_mask(self) -> Optional[Tensor]:
+        """Per-parameter flags (aligned with :meth:`all_params`) of non-finite gradients on any rank, on the device.
+
+        A collective: every rank must call it, which holds where the engine calls it (a skipped step, decided the
+        same on every rank).
+        """
+        if not self.order:
+            return None
+        grads = [_local(p.grad) for p in self.own_params]  # type: ignore[arg-type]
+        device = grads[0].device if grads else _local(self.order[0]).device
+        flags = torch.zeros(len(self.order), device=device)
+        if grads:
+            norms = torch.stack([n.to(device) for n in _compat.foreach_max_abs(grads)])
+            flags[torch.tensor(self.positions, device=device)] = (~torch.isfinite(norms)).float()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags[torch.tensor(self.positions, device=device, dtype=torch.long)] > 0
+
+
+class ShardedMasters:
+    """The masters of a model sharded with FSDP2: its own fp32 parameter shards. Implements what
+    :class:`~lightning_mpt.engine.MixedPrecisionEngine` asks of :class:`~lightning_mpt.master.MasterWeights`, without
+    a copy: the optimizer steps the shards, FSDP all-gathers them in the half format for the next forward.
+
+    Args:
+        dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
+        keep_fp32: module types whose parameters may be sharded on their own in fp32 (norm layers).
+        on_half_kept: called at :meth:`convert` with the names of ``keep_fp32`` modules that FSDP all-gathers in the
+            half format with their block (see :func:`check_sharding`).
+
+    Example:
+        ```python
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        from lightning_mpt.engine import MixedPrecisionEngine
+        from lightning_mpt.scaler import DynamicLossScaler
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process, for the example
+        try:
+            model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+            fully_shard(model, mp_policy=mixed_precision_policy(torch.bfloat16))
+            engine = MixedPrecisionEngine(torch.bfloat16, DynamicLossScaler(init_scale=1024.0),
+                                          masters=ShardedMasters(torch.bfloat16))
+            engine.convert(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # steps the fp32 shards
+            for _ in range(3):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(torch.randn(8, 4)).float().pow(2).mean()
+                engine.scale_loss(loss).backward()
+                engine.finish(optimizer, engine.decide(optimizer))
+                optimizer.zero_grad()
+            engine.restore()
+            assert model[0].weight.dtype == torch.float32 and engine.policy.steps == 3
+        finally:
+            dist.destroy_process_group()
+        ```
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32,
+        on_half_kept: Optional[Callable[[list[str]], None]] = None,
+    ) -> None:
+        if dtype not in HALF_DTYPES:
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        self.dtype = dtype
+        self.keep_fp32 = tuple(keep_fp32)
+        self.on_half_kept = on_half_kept
+        self._names: dict[Tensor, str] = {}
+
+    # ------------------------------------------------------------------ set-up and teardown
+    def convert(self, module: nn.Module) -> nn.Module:
+        """Check how ``module`` was sharded (:func:`check_sharding`) and learn its parameter names. Nothing is cast:
+        FSDP casts, per its policy, when it all-gathers."""
+        half_kept = check_sharding(module, self.dtype, self.keep_fp32)
+        if half_kept and self.on_half_kept is not None:
+            self.on_half_kept(half_kept)
+        self._names = {p: name for name, p in module.named_parameters()}
+        return module
+
+    def restore(self) -> None:
+        """Nothing to give back: the module's parameters are the fp32 masters all along."""
+        self._names.clear()
+
+    def adopt_optimizer(self, optimizer: Optimizer) -> list[Any]:
+        """Nothing to adopt: the optimizer holds the fp32 shards, so its state is fp32 from the start."""
+        return []
+
+    def follow_devices(self) -> None:
+        """Nothing to move: the masters are the parameters."""
+
+    def broadcast(self, src: int = 0) -> None:
+        """Nothing to broadcast: each rank holds its own shard, not a replica."""
+
+    def refresh(self) -> None:
+        """Nothing to write: FSDP all-gathers the half compute copy from the shards at the next forward."""
+
+    # ------------------------------------------------------------------ queries
+    def master_of(self, param: Tensor) -> Tensor:
+        """``param`` itself: the fp32 shard is the master."""
+        return param
+
+    def main_params(self, params: Iterable[Tensor]) -> list[Tensor]:
+        return list(params)
+
+    def name_of(self, param: Tensor) -> str:
+        return self._names.get(param, f"<unnamed {tuple(param.shape)}>")
+
+    def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
+        """``(name, parameter, master)`` for each parameter; parameter and master are the same fp32 shard."""
+        for p, name in self._names.items():
+            yield name, p, p
+
+    # ------------------------------------------------------------------ the optimizer step
+    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> ShardedGrads:
+        """Unscale ``optimizer``'s fp32 gradient shards in place by ``1/scale`` (fused kernel on the local shards, no
+        host sync). ``found_inf`` is a tensor on every rank, so the policy's all-reduce runs on every rank.
+        ``check_edits`` is moot: a weight edited in place is edited in its master."""
+        order = [p for group in optimizer.param_groups for p in group["params"]]
+        out = ShardedGrads(order=order)
+        out.positions = [i for i, p in enumerate(order) if p.grad is not None]
+        out.own_params = [order[i] for i in out.positions]
+        grads = [_local(p.grad) for p in out.own_params]  # type: ignore[arg-type]
+        if any(g.is_sparse for g in grads):
+            raise RuntimeError("MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False).")
+        if not order:
+            return out
+        device = grads[0].device if grads else _local(order[0]).device
+        out.found_inf = torch.zeros((), device=device)
+        by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+        for g in grads:
+            by_device[g.device].append(g)
+        for dev, group in by_device.items():
+            found = torch.zeros((), device=dev)
+            _compat.unscale_(group, found, torch.full((), 1.0 / scale, device=dev))
+            out.found_inf += found.to(device)
+        return out
+
+    def adopt_edits(self, prepared: PreparedGrads, flags: list[float]) -> list[str]:
+        return []
+
+    def enter(self, optimizer: Optimizer, prepared: PreparedGrads) -> None:
+        prepared.entered = True  # the optimizer holds the masters anyway
+
+    def exit(self, optimizer: Optimizer, prepared: PreparedGrads, stepped: bool) -> None:
+        prepared.entered = False
+
+    def discard(self, prepared: PreparedGrads) -> None:
+        """A skipped step: drop its gradient shards."""
+        for p in prepared.all_params():
+            p.grad = None
+
+    def release_stepped(self, drop_module_grads: bool) -> None:
+        """Nothing kept past the step: the gradient shards are the parameters' own."""
+
+
+class CollectiveBytes(_compat.dispatch_mode()):  # type: ignore[misc]
+    """Counts the bytes this process sends through ``torch.distributed`` collectives while it is active.
+
+    ``sent["all_gather"]``: the input of each all-gather (this rank's shards, as FSDP all-gathers parameters);
+    ``sent["reduce_scatter"]``: the input of each reduce-scatter (the unsharded gradients FSDP reduces);
+    ``sent["all_reduce"]``, ``sent["broadcast"]``: their tensors. ``calls`` counts the calls of each kind. Counted at
+    the c10d ops, below FSDP and ``DTensor``, so whatever path they take is seen (on CPU and CUDA).
+
+    Example:
+        ```python
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process, for the example
+        try:
+            with CollectiveBytes() as comm:
+                dist.all_reduce(torch.ones(4))        # 4 fp32 values
+                dist.all_reduce(torch.ones(4, dtype=torch.bfloat16))
+            assert comm.sent["all_reduce"] == 16 + 8 and comm.calls["all_reduce"] == 2
+        finally:
+            dist.destroy_process_group()
+        ```
+    """
+
+    KINDS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
+             "broadcast": "broadcast"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: dict[str, int] = dict.fromkeys(self.KINDS.values(), 0)
+        self.calls: dict[str, int] = dict.fromkeys(self.KINDS.values(), 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn its op into plain ones (and collectives), which come back here
+        name = func.name() if hasattr(func, "name") else ""
+        if name.startswith("c10d::"):
+            kind = next((k for key, k in self.KINDS.items() if key in name), None)
+            if kind is not None:
+                # all-gather and reduce-scatter take (output, input, ...); all-reduce and broadcast (tensors, ...)
+                data = args[1] if kind in ("all_gather", "reduce_scatter") else args[0]
+                self.sent[kind] += sum(t.numel() * t.element_size() for t in _tensors(data))
+                self.calls[kind] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(x: Any) -> list[Tensor]:
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []

@@ -1,0 +1,389 @@
+"""FSDP2 through Lightning's ``ModelParallelStrategy`` under ``MPTPrecision``, with 2 CPU processes (gloo).
+
+The 2-process runs are subprocesses (tests/fsdp_worker.py, the memory example, the FSDP example); the assertions read
+what each rank wrote, so gloo's occasional abort at process exit ("terminate called without an active exception")
+cannot fail a test whose workers finished their work. Checks of how a model was sharded run in this process, on a
+process group of one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import run_until_written
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lightning_mpt import MPTPrecision
+from lightning_mpt.fsdp import ShardedMasters, check_sharding, is_sharded
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+WORKER = HERE / "fsdp_worker.py"
+
+
+def launch(out: Path, cmd: list[str], files: list[Path], timeout: float = 300) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    code = run_until_written(cmd, files, out / "log.txt", timeout=timeout)
+    missing = [str(f.relative_to(out)) for f in files if not f.exists()]
+    if missing:
+        pytest.fail(f"missing {missing} (exit {code}):\n{(out / 'log.txt').read_text()[-4000:]}")
+
+
+def worker(out: Path, *scenarios: str) -> Path:
+    launch(out, [sys.executable, str(WORKER), str(out), *scenarios], [out / "done-rank0", out / "done-rank1"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return worker(tmp_path_factory.mktemp("fsdp-train"), "compare", "inject", "guard", "clip")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return worker(tmp_path_factory.mktemp("fsdp-ckpt"), "checkpoint", "crossload", "init", "unsharded")
+
+
+def read(out: Path, run: str, rank: int) -> dict[str, Any]:
+    return json.loads((out / run / f"rank{rank}.json").read_text())
+
+
+def rows(out: Path, run: str, rank: int) -> list[dict[str, Any]]:
+    return read(out, run, rank)["rows"]
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+def test_bf16_transformer_matches_lightning_bf16_mixed_and_ddp(training):
+    for rank in (0, 1):
+        mpt, lightning, ddp = (rows(training, f"seq-{r}", rank) for r in ("fsdp-mpt", "fsdp-lightning", "ddp-mpt"))
+        assert len(mpt) == len(lightning) == len(ddp) == 12
+        # the two strategies split the data the same way: same batches on each rank at every step
+        assert [r["batch"] for r in mpt] == [r["batch"] for r in ddp] == [r["batch"] for r in lightning]
+        assert not any(r["skipped"] for r in mpt)
+        for a, b, c in zip(mpt, lightning, ddp):
+            assert rel(a["loss"], b["loss"]) < 0.005  # within 0.5% of Lightning's "bf16-mixed"
+            assert rel(a["loss"], c["loss"]) < 2**-8  # within bf16 rounding of DDP under MPTPrecision
+        assert mpt[-1]["loss"] < 0.95 * mpt[0]["loss"]  # and it learns
+    # the two ranks saw different batches (data parallel), and hold different shards
+    assert rows(training, "seq-fsdp-mpt", 0)[0]["batch"] != rows(training, "seq-fsdp-mpt", 1)[0]["batch"]
+
+
+def test_fp16_dynamic_scale_matches_ddp_and_lightning(training):
+    for rank in (0, 1):
+        mpt, ddp, lightning = (rows(training, f"mlp-{r}", rank) for r in ("fsdp-mpt16", "ddp-mpt16", "fsdp-lightning16"))
+        assert [r["batch"] for r in mpt] == [r["batch"] for r in ddp]
+        # the scale moved: it started too high (overflows, skipped steps), backed off, then grew
+        scales = [r["scale"] for r in mpt]
+        assert scales[0] == 2.0**20 and min(scales) < 2.0**20 and any(b > a for a, b in zip(scales, scales[1:]))
+        assert any(r["skipped"] for r in mpt) and not all(r["skipped"] for r in mpt)
+        # the same steps skipped and the same scale as DDP and as Lightning's GradScaler on the same sharding
+        assert [(r["scale"], r["skipped"]) for r in mpt] == [(r["scale"], r["skipped"]) for r in ddp]
+        assert [r["loss_scale"] for r in mpt] == [r["scale"] for r in lightning]  # the scale after each step
+        for a, b, c in zip(mpt, ddp, lightning):
+            assert rel(a["loss"], b["loss"]) < 2**-10 and rel(a["loss"], c["loss"]) < 0.005
+
+
+def test_gradient_accumulation_decides_once_per_optimizer_step(training):
+    """2 micro-batches per step. FSDP2 reduce-scatters each micro-batch and accumulates the fp32 shards, where DDP
+    accumulates the half gradients and all-reduces once: FSDP2 may overflow less often, never more."""
+    for rank in (0, 1):
+        fsdp, ddp = rows(training, "mlp-fsdp-accum", rank), rows(training, "mlp-ddp-accum", rank)
+        assert len(fsdp) == len(ddp) == 6  # 12 micro-batches, 6 optimizer steps
+        assert [r["skipped"] for r in fsdp[:3]] == [True, True, True]  # 2^20 is too high: one skip per step ...
+        assert [r["scale"] for r in fsdp[:4]] == [2.0**20, 2.0**19, 2.0**18, 2.0**17]  # ... and one back-off
+        keys = ("step", "batch", "scale", "skipped", "skipped_steps", "loss")
+        assert [[r[k] for k in keys] for r in fsdp[:4]] == [[r[k] for k in keys] for r in ddp[:4]]
+        assert all(d["skipped"] for f, d in zip(fsdp, ddp) if f["skipped"])
+        for a, b in zip(fsdp, fsdp[1:]):
+            assert b["scale"] == (a["scale"] / 2 if a["skipped"] else a["scale"])  # growth_interval 4 not reached
+
+
+def test_masters_are_the_sharded_fp32_parameters_and_compute_is_half(training):
+    for run, half in (("seq-fsdp-mpt", "torch.bfloat16"), ("mlp-fsdp-mpt16", "torch.float16")):
+        for rank in (0, 1):
+            seen = read(training, run, rank)
+            assert seen["param_types"] == ["DTensor"]  # the module's parameters are FSDP's shards ...
+            assert all(r["master_dtypes"] == ["torch.float32"] for r in seen["rows"])  # ... and the fp32 masters
+            # FSDP's compute copy of a Linear is half; a norm layer sharded on its own computes in fp32 (keep_fp32)
+            assert {seen["compute"][k] for k in seen["compute"] if "Linear" in k} == {half}
+            assert {seen["compute"][k] for k in seen["compute"] if "LayerNorm" in k} == {"torch.float32"}
+    ddp = read(training, "seq-ddp-mpt", 0)
+    assert ddp["param_types"] == ["Parameter"] and ddp["compute"]["Linear"] == "torch.bfloat16"
+    # a norm layer left in its block's group is all-gathered in the half format with it
+    halfnorms = read(training, "mlp-fsdp-mpt16-halfnorms", 0)["compute"]
+    assert halfnorms["LayerNorm"] == "torch.float16"
+
+
+def test_torch_own_policy_with_fp32_gradient_reduction(training):
+    """``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)`` written by the user works like the plugin's
+    policy (only the reduction's rounding differs)."""
+    for rank in (0, 1):
+        own, plugin = rows(training, "mlp-fsdp-mpt16-torchpolicy", rank), rows(training, "mlp-fsdp-mpt16", rank)
+        assert [(r["scale"], r["skipped"]) for r in own] == [(r["scale"], r["skipped"]) for r in plugin]
+        assert all(rel(a["loss"], b["loss"]) < 2**-9 for a, b in zip(own, plugin))
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_both(training):
+    """An inf written into rank 1's gradient shard only (rank 0's shard is finite): both ranks skip that step, back
+    off the same scale, count it, and name the parameter."""
+    rank0, rank1 = rows(training, "inject", 0), rows(training, "inject", 1)
+    assert len(rank0) == len(rank1) == 8
+    for a, b in zip(rank0, rank1):
+        assert (a["scale"], a["skipped"], a["skipped_steps"], a["loss_scale"]) == (
+            b["scale"], b["skipped"], b["skipped_steps"], b["loss_scale"]
+        )
+    assert [r["skipped"] for r in rank0] == [False, False, False, True, False, False, False, False]
+    assert [r["last_step_skipped"] for r in rank0] == [r["skipped"] for r in rank0]
+    assert [r["history"] for r in rank0] == list(range(1, 9))  # plugin.history: one record per optimizer step
+    skipped = rank0[3]
+    assert skipped["culprits"] == rank1[3]["culprits"] == ["model.0.weight"]  # the original parameter name
+    assert rank0[4]["scale"] == skipped["scale"] / 2 and rank0[-1]["skipped_steps"] == 1
+    for rank_rows in (rank0, rank1):  # the skipped step changed neither the masters nor the optimizer state
+        assert rank_rows[3]["masters"] == rank_rows[2]["masters"] and rank_rows[3]["state"] == rank_rows[2]["state"]
+        assert rank_rows[4]["masters"] != rank_rows[3]["masters"]
+
+
+def test_the_guard_stops_both_ranks_and_names_the_parameter(training):
+    for rank in (0, 1):
+        guard = json.loads((training / "guard-error" / f"rank{rank}.json").read_text())
+        assert guard["steps"] == 4  # steps 0, 1 taken; 2, 3 skipped: stopped there
+        assert "2 optimizer steps in a row were skipped" in guard["error"]
+        assert "parameters with non-finite gradients: model.3.weight" in guard["error"]
+
+
+def test_clipping_acts_on_the_unscaled_gradients_over_all_shards(training):
+    fsdp, ddp = read(training, "clip-fsdp-norm", 0)["norms"], read(training, "clip-ddp-norm", 0)["norms"]
+    assert fsdp == read(training, "clip-fsdp-norm", 1)["norms"]  # one global norm, the same on both ranks
+    for (before, after, _), (ddp_before, ddp_after, _) in zip(fsdp, ddp):
+        assert 0.5 < before < 10  # the true gradient norm, not one multiplied by the fp16 loss scale (2^16)
+        assert rel(before, ddp_before) < 1e-3  # the total norm over all shards is DDP's norm of the whole gradient
+        assert after == pytest.approx(0.05, rel=1e-4) and ddp_after == pytest.approx(0.05, rel=1e-4)
+    for rank in (0, 1):
+        by_value = read(training, "clip-fsdp-value", rank)["norms"]
+        assert all(max_abs == pytest.approx(0.002) and before > after for before, after, max_abs in by_value)
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_resume_is_bitwise_identical_to_the_uninterrupted_run(checkpoints, kind):
+    for rank in (0, 1):
+        straight, resumed = rows(checkpoints, f"straight-{kind}", rank), rows(checkpoints, f"resumed-{kind}", rank)
+        assert len(straight) == 12 and [r["step"] for r in resumed] == list(range(7, 13))
+        assert [r["skipped"] for r in straight[:6]] == [False, True, False, False, False, True]  # saved after a skip
+        assert len({r["scale"] for r in straight}) >= 3  # the scale moved across the save
+        for a, b in zip(straight[6:], resumed):
+            assert (a["masters"], a["state"], a["scale"], a["skipped"], a["skipped_steps"], a["loss"]) == (
+                b["masters"], b["state"], b["scale"], b["skipped"], b["skipped_steps"], b["loss"]
+            )
+
+
+def test_checkpoints_hold_fp32_masters_and_the_plugin_state(checkpoints):
+    full = json.loads((checkpoints / "full-file" / "rank0.json").read_text())
+    assert {dtype for dtype, _ in full["state_dict"].values()} == {"torch.float32"}
+    assert full["state_dict"]["model.0.weight"][1] == [32, 16]  # full (gathered) tensors, original names
+    assert full["plugin"]["skipped_steps"] == 2 and full["plugin"]["steps"] == 6
+    assert full["scaler"]["hysteresis_tracker"] == 1  # the skip right before the save is pending in the hysteresis
+    sharded = json.loads((checkpoints / "sharded-files" / "rank0.json").read_text())
+    # Lightning's distributed checkpoint: one file of shards per rank, the rest (the plugin's state) in meta.pt
+    assert sharded["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert "MPTPrecision" in sharded["meta"] and "state_dict" not in sharded["meta"] and sharded["plugin_steps"] == 6
+
+
+def test_a_full_checkpoint_loads_into_a_ddp_model_and_back(checkpoints):
+    """Lightning's test_load_full_state_checkpoint_into_regular_model and
+    test_load_standard_checkpoint_into_distributed_model (GPU-only there), under MPTPrecision on CPU."""
+    into_ddp = json.loads((checkpoints / "cross-full-into-ddp-result" / "rank0.json").read_text())
+    assert into_ddp == {"keys_equal": True, "equal": True, "dtypes": ["torch.float32"]}
+    back = json.loads((checkpoints / "cross-ddp-into-fsdp-result" / "rank0.json").read_text())
+    assert back == {"equal": True, "keys_equal": True}
+
+
+def test_a_model_created_on_the_meta_device_is_sharded_and_trains(checkpoints):
+    """Lightning's test_module_init_context and test_strategy_state_dict (GPU-only there), under MPTPrecision."""
+    for rank in (0, 1):
+        result = json.loads((checkpoints / "meta-init-result" / f"rank{rank}.json").read_text())
+        assert result == {"was_meta": True, "keys_equal": True, "types": ["DTensor torch.float32"]}
+        trained = rows(checkpoints, "meta-init", rank)
+        assert len(trained) == 3 and len({r["masters"] for r in trained}) == 3
+
+
+def test_a_configure_model_that_shards_nothing_is_refused(checkpoints):
+    error = json.loads((checkpoints / "unsharded-error" / "rank0.json").read_text())["error"]
+    assert error == json.loads((checkpoints / "unsharded-error" / "rank1.json").read_text())["error"]
+    assert "configure_model did not shard anything" in error
+    assert "fully_shard(self.model, mesh=mesh, mp_policy=policy)" in error  # says how
+    assert "supports one device, the DDP family and ModelParallelStrategy with FSDP2" in error
+
+
+# ---------------------------------------------------------------------------------------------------- examples
+
+
+def test_memory_breakdown_fsdp_per_rank(tmp_path):
+    """Item 4 and 5: bytes per parameter per rank at the optimizer step, and bytes through the collectives."""
+    out = tmp_path / "memory.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "memory_breakdown.py"), "--strategy", "fsdp", "--fast",
+           "--logdir", str(tmp_path / "runs"), "--json", str(out)]
+    launch(tmp_path, cmd, [out, Path(f"{out}.rank1")])
+    log = (tmp_path / "log.txt").read_text()
+    assert "| mpt-fp16 | 2.00 | 2.00 | 4.00 | 8.00 | 0.00 |" in log  # the table, on rank 0
+    for path in (out, Path(f"{out}.rank1")):
+        results = json.loads(path.read_text())
+        fp32 = results["32-true"]
+        for name in ("mpt-fp16", "mpt-bf16", "bf16-mixed", "32-true"):
+            r = results[name]
+            n = r["params"]
+            # fp32 masters (the shards), fp32 gradient shards and AdamW's two moments, each divided by the world size
+            assert r["weights"] == pytest.approx(4 * n / 2, abs=64) and r["masters"] == 0
+            assert r["grads"] == pytest.approx(4 * n / 2, abs=64) and r["master_grads"] == 0
+            assert r["optimizer_state"] == pytest.approx(8 * n / 2, abs=64 * 8)
+            assert r["gathered_at_step"] == 0  # the half compute copy is gone at the optimizer step
+        for name in ("mpt-fp16", "mpt-bf16"):
+            r = results[name]
+            assert 0 < r["gathered_peak"] <= 2 * r["params"]  # it existed, in the half format, during the forward
+            # half the bytes of an fp32 FSDP2 run through the all-gathers and the reduce-scatters
+            assert r["all_gather"] * 2 == fp32["all_gather"] and r["reduce_scatter"] * 2 == fp32["reduce_scatter"]
+            assert r["reduce_scatter"] == 2 * r["params"]  # every rank sends its whole half gradient
+            assert r["all_reduce"] <= 64  # the step decision: a couple of flags
+
+
+def test_fsdp_transformer_example(tmp_path):
+    out = tmp_path / "summary.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "fsdp_transformer.py"), "--fast", "--logdir", str(tmp_path / "runs"),
+           "--summary", str(out)]
+    launch(tmp_path, cmd, [out])
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 30 and summary["last_loss"] < 0.8 * summary["first_loss"]
+    assert summary["masters"] == "DTensor torch.float32" and summary["strategy"] == "ModelParallelStrategy"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(summary["logdir"], size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"train_loss", "mpt/loss_scale", "mpt/skipped_steps", "mpt/overflow"} <= set(tags)
+    assert acc.Scalars("mpt/loss_scale")[0].value == summary["first_loss_scale"]
+
+
+# ---------------------------------------------------------------------------------------------------- in one process
+
+
+@pytest.fixture
+def one_process():
+    """A process group of one (in memory), for checks that need ``fully_shard`` but no second process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("shard", "message"),
+    [
+        (lambda m: None, "no FSDP2 module: configure_model did not shard anything"),
+        (lambda m: fully_shard(m.block, mp_policy=BF16), r"head.weight, head.bias are not sharded by fully_shard"),
+        (lambda m: fully_shard(m), r"all-gathers block.0.weight, block.0.bias, head.weight, head.bias in fp32"),
+        (lambda m: fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16)), "contradicts the plugin"),
+        (lambda m: fully_shard(m, mp_policy=dataclasses.replace(BF16, reduce_dtype=torch.float16)), "contradicts"),
+        (lambda m: fully_shard(m.bfloat16(), mp_policy=BF16), r"are not fp32. FSDP2 shards the parameters as they are"),
+    ],
+    ids=["nothing", "root-not-sharded", "fp32-policy", "other-half-format", "fp16-reduction", "half-parameters"],
+)
+def test_sharding_the_plugin_cannot_use_is_refused_with_the_fix(one_process, shard, message):
+    model = Net()
+    shard(model)
+    with pytest.raises(ValueError, match=message):
+        check_sharding(model, torch.bfloat16)
+    if is_sharded(model):  # the plugin checks a sharded model when it converts it
+        with pytest.raises(ValueError, match=message):
+            MPTPrecision("bf16").convert_module(model)
+
+
+def test_accepted_shardings(one_process):
+    plugin = MPTPrecision("bf16")
+    # the plugin's policy, a norm layer sharded on its own in fp32 first (keep_fp32), fp32 gradient reduction
+    model = Net()
+    fully_shard(model.block[1])
+    fully_shard(model, mp_policy=dataclasses.replace(plugin.mp_policy, reduce_dtype=torch.float32))
+    assert check_sharding(model, torch.bfloat16) == []
+    plugin.convert_module(model)
+    assert [(n, p.dtype) for n, p, m in plugin.named_masters() if p is m] == [
+        (n, torch.float32) for n, _ in model.named_parameters()
+    ]
+    assert plugin.master_of(model.head.weight) is model.head.weight  # no second fp32 copy
+    plugin.teardown()
+    # a norm layer inside a half group: accepted, and reported
+    model = Net()
+    fully_shard(model, mp_policy=plugin.mp_policy)
+    assert check_sharding(model, torch.bfloat16) == ["block.1"]
+    with pytest.raises(ValueError, match="master_weights=False"):
+        MPTPrecision("bf16", master_weights=False).convert_module(model)
+
+
+def test_sharded_masters_skip_a_non_finite_step_and_name_the_parameter(one_process):
+    from lightning_mpt.engine import MixedPrecisionEngine
+    from lightning_mpt.scaler import DynamicLossScaler
+
+    model = Net()
+    fp16 = MixedPrecisionPolicy(param_dtype=torch.float16)
+    fully_shard(model.block, mp_policy=fp16)
+    fully_shard(model, mp_policy=fp16)
+    engine = MixedPrecisionEngine(torch.float16, DynamicLossScaler(init_scale=8.0), masters=ShardedMasters(torch.float16))
+    engine.convert(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(3, 4)).float().sum()
+    engine.scale_loss(loss).backward()
+    assert model.head.weight.grad.dtype == torch.float32  # FSDP keeps the fp32 gradient shard: the master gradient
+    scaled = model.head.weight.grad.full_tensor().clone()
+    model.block[0].bias.grad.to_local()[1] = float("nan")
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    pending = engine.decide(optimizer)
+    assert torch.equal(model.head.weight.grad.full_tensor(), scaled / 8)  # unscaled in place
+    engine.finish(optimizer, pending)
+    record = engine.policy.history[-1]
+    assert record.skipped and record.nonfinite_params == ["block.0.bias"]
+    assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters()))
+    assert optimizer.state == {} and engine.policy.loss_scale == 4.0
+
+
+def test_fsdp1_is_refused_naming_what_is_supported():
+    import lightning as L
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_mpt.precision import check_strategy
+
+    with pytest.raises(ValueError, match=r"FSDPStrategy strategy. Supported: .* FSDP2: ModelParallelStrategy"):
+        check_strategy(FSDPStrategy())
+    with pytest.raises(ValueError, match="DeepSpeed and FSDP1 .'fsdp'. bring their own mixed precision"):
+        check_strategy(FSDPStrategy())
+    # Lightning itself refuses a non-FSDPPrecision plugin with FSDP1 when the Trainer is built (on a GPU machine)
+    if torch.cuda.is_available():
+        with pytest.raises(TypeError, match="FSDPPrecision"):
+            L.Trainer(strategy="fsdp", accelerator="cuda", devices=1, plugins=[MPTPrecision("bf16")])
