@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mpt import _compat
+from lightning_mpt.numerics import max_abs
 from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES, PreparedGrads
 
 __all__ = [
@@ -207,7 +208,7 @@ class ShardedGrads(PreparedGrads):
         device = grads[0].device if grads else _local(self.order[0]).device
         flags = torch.zeros(len(self.order), device=device)
         if grads:
-            norms = torch.stack([n.to(device) for n in _compat.foreach_max_abs(grads)])
+            norms = max_abs(grads).to(device)  # 0 for an empty local shard
             flags[torch.tensor(self.positions, device=device)] = (~torch.isfinite(norms)).float()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)

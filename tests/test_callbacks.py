@@ -525,7 +525,7 @@ class NormOnly(L.LightningModule):
 
 
 EDGE_PLUGINS = {
-    "fp16": lambda: MPTPrecision("fp16"),
+    "fp16": lambda: MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**8)),  # no overflow: every step measured
     "bf16": lambda: MPTPrecision("bf16"),
     "16-mixed": lambda: MixedPrecision("16-mixed", "cpu"),
 }
