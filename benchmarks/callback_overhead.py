@@ -38,10 +38,10 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import TransformerClassifier, time_steps, transformer_data  # noqa: E402
+from common import TransformerClassifier, time_steps, transformer_data
 
-from lightning_mpt import MPTPrecision  # noqa: E402
-from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor  # noqa: E402
+from lightning_mpt import MPTPrecision
+from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
 
 HOOKS = ("on_train_batch_start", "on_after_backward", "on_before_optimizer_step", "on_train_batch_end")
 SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__")
@@ -133,8 +133,14 @@ def run(steps: int, callbacks: list[L.Callback], logdir: str) -> _Clock:
     clock = _Clock()
     start, end = clock.callbacks()
     logger = TensorBoardLogger(logdir, name="", version=0)
-    time_steps("classifier", steps, plugin=MPTPrecision("bf16"), callbacks=[start, *callbacks, end],
-               accelerator="cpu", logger=logger)
+    time_steps(
+        "classifier",
+        steps,
+        plugin=MPTPrecision("bf16"),
+        callbacks=[start, *callbacks, end],
+        accelerator="cpu",
+        logger=logger,
+    )
     return clock
 
 
@@ -186,8 +192,14 @@ def default_on_off(
 
     gated = [gate.wrap(m) for m in default_monitors()] if monitors else []
     logger = TensorBoardLogger(f"{tmp}/gated{int(monitors)}", name="", version=0)
-    time_steps("classifier", steps, plugin=MPTPrecision("bf16"), callbacks=[Start(), *gated, End()],
-               accelerator="cpu", logger=logger)
+    time_steps(
+        "classifier",
+        steps,
+        plugin=MPTPrecision("bf16"),
+        callbacks=[Start(), *gated, End()],
+        accelerator="cpu",
+        logger=logger,
+    )
     return records, block
 
 
@@ -198,7 +210,7 @@ def every_step(steps: int, tmp: str) -> dict[str, Any]:
         base = run(steps, [], f"{tmp}/every_base")
     with SyncCounter() as syncs:
         times = run(steps, monitors, f"{tmp}/every")
-    return dict(base=base, times=times, totals=dict(totals), base_syncs=base_syncs.count, syncs=syncs.count)
+    return {"base": base, "times": times, "totals": dict(totals), "base_syncs": base_syncs.count, "syncs": syncs.count}
 
 
 def event_bytes(steps: int, tmp: str) -> int:
@@ -206,32 +218,53 @@ def event_bytes(steps: int, tmp: str) -> int:
     L.seed_everything(0, verbose=False)
     logdir = f"{tmp}/bytes"
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, plugins=[MPTPrecision("bf16")], callbacks=default_monitors(),
-        logger=TensorBoardLogger(logdir, name="", version=0), enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        plugins=[MPTPrecision("bf16")],
+        callbacks=default_monitors(),
+        logger=TensorBoardLogger(logdir, name="", version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     model = TransformerClassifier(vocab=1000, d_model=16, layers=4, heads=4)
     trainer.fit(model, transformer_data(steps * 4, seq=8, batch_size=4))
     without = f"{tmp}/bytes_none"
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, plugins=[MPTPrecision("bf16")],
-        logger=TensorBoardLogger(without, name="", version=0), enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        plugins=[MPTPrecision("bf16")],
+        logger=TensorBoardLogger(without, name="", version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(TransformerClassifier(vocab=1000, d_model=16, layers=4, heads=4), transformer_data(4, seq=8, batch_size=4))
+    trainer.fit(
+        TransformerClassifier(vocab=1000, d_model=16, layers=4, heads=4), transformer_data(4, seq=8, batch_size=4)
+    )
     return dir_bytes(logdir) - dir_bytes(without)  # what the callbacks added
 
 
 # -------------------------------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=520,
-                        help="optimizer steps of the on/off run (5 warm-up excluded); 520 span a reference period")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=520,
+        help="optimizer steps of the on/off run (5 warm-up excluded); 520 span a reference period",
+    )
     parser.add_argument("--block", type=int, default=7, help="steps per on/off block")
     parser.add_argument("--every-steps", type=int, default=16, help="steps of the logging-at-every-step runs")
     parser.add_argument("--bytes-steps", type=int, default=1000, help="steps of the event-bytes run")
-    parser.add_argument("--no-control", dest="control", action="store_false",
-                        help="skip the control run (same blocks, nothing switched: the noise of the measurement)")
+    parser.add_argument(
+        "--no-control",
+        dest="control",
+        action="store_false",
+        help="skip the control run (same blocks, nothing switched: the noise of the measurement)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -246,14 +279,19 @@ def main() -> None:
     med, mean = statistics.median, statistics.fmean
 
     def ratios(a: _Clock, b: _Clock) -> str:
-        return (f"CPU time: median {med(b.cpu) / med(a.cpu):.3f}, mean {mean(b.cpu) / mean(a.cpu):.3f};"
-                f" wall time: median {med(b.wall) / med(a.wall):.3f}, mean {mean(b.wall) / mean(a.wall):.3f}")
+        return (
+            f"CPU time: median {med(b.cpu) / med(a.cpu):.3f}, mean {mean(b.cpu) / mean(a.cpu):.3f};"
+            f" wall time: median {med(b.wall) / med(a.wall):.3f}, mean {mean(b.wall) / mean(a.wall):.3f}"
+        )
 
     print(f"\n== bf16 transformer (MPTPrecision('bf16'), CPU, {torch.get_num_threads()} threads) ==")
     off = [r for r in gated if not r[0]]
     on = [r for r in gated if r[0]]
-    print(f"step without callbacks: CPU time median {med([r[2] for r in off]) * 1e3:.0f} ms, wall time median"
-          f" {med([r[1] for r in off]) * 1e3:.0f} ms")
+    print(
+        f"step without callbacks: CPU time median {med([r[2] for r in off]) * 1e3:.0f} ms, wall time median"
+        f" {med([r[1] for r in off]) * 1e3:.0f} ms"
+    )
+
     def on_off(records: list[tuple[bool, float, float, int]]) -> str:
         # pair each "on" block with the "off" block before it: both saw about the same machine load
         pairs: dict[int, dict[bool, list[float]]] = defaultdict(lambda: {True: [], False: []})
@@ -264,27 +302,35 @@ def main() -> None:
         off_cpu = [r[2] for r in records if not r[0]]
         on_wall = [r[1] for r in records if r[0]]
         off_wall = [r[1] for r in records if not r[0]]
-        return (f"CPU time: ratio of means {mean(on_cpu) / mean(off_cpu):.3f} (logging steps included), median"
-                f" over {len(pair_ratios)} block pairs {med(pair_ratios):.3f}; wall time: ratio of means"
-                f" {mean(on_wall) / mean(off_wall):.3f}")
+        return (
+            f"CPU time: ratio of means {mean(on_cpu) / mean(off_cpu):.3f} (logging steps included), median"
+            f" over {len(pair_ratios)} block pairs {med(pair_ratios):.3f}; wall time: ratio of means"
+            f" {mean(on_wall) / mean(off_wall):.3f}"
+        )
 
-    print(f"1. three callbacks at default cadence, on vs off in alternating blocks of {block} steps of one run"
-          f" ({len(on)} steps on, {len(off)} off):")
+    print(
+        f"1. three callbacks at default cadence, on vs off in alternating blocks of {block} steps of one run"
+        f" ({len(on)} steps on, {len(off)} off):"
+    )
     print(f"   {on_off(gated)}")
     logging = {r[3]: r[2] for r in on if r[3] % 50 == 0}
     off_median = med([r[2] for r in off])
-    print(f"   CPU ms of the logging steps that fell in 'on' blocks: "
-          + ", ".join(f"step {k}: {v * 1e3:.0f}" for k, v in sorted(logging.items()))
-          + f" (vs median {off_median * 1e3:.0f} off)")
+    print(
+        "   CPU ms of the logging steps that fell in 'on' blocks: "
+        + ", ".join(f"step {k}: {v * 1e3:.0f}" for k, v in sorted(logging.items()))
+        + f" (vs median {off_median * 1e3:.0f} off)"
+    )
     # robust to load spikes: the steady-state ratio of the block pairs plus what the logging steps added
     pairs: dict[int, dict[bool, list[float]]] = defaultdict(lambda: {True: [], False: []})
     for r in gated:
         pairs[r[3] // (2 * block)][r[0]].append(r[2])
     steady = med([mean(p[True]) / mean(p[False]) for p in pairs.values() if p[True] and p[False]])
     excess = sum(max(0.0, t - off_median) for t in logging.values()) / (len(on) * off_median)
-    print(f"   estimate robust to load spikes: {steady:.3f} (median block pair) + {excess:.3f} (logging steps' excess"
-          f" over the 'on' steps; the fp32 reference falls in twice as often as at the default cadence)"
-          f" = {steady + excess:.3f}")
+    print(
+        f"   estimate robust to load spikes: {steady:.3f} (median block pair) + {excess:.3f} (logging steps' excess"
+        f" over the 'on' steps; the fp32 reference falls in twice as often as at the default cadence)"
+        f" = {steady + excess:.3f}"
+    )
     if control:
         print(f"   control run, same blocks switching nothing (the noise of this measurement): {on_off(control)}")
 
@@ -294,9 +340,11 @@ def main() -> None:
     print("2. logging at every step (fp32 reference included):")
     print(f"   {ratios(every['base'], every['times'])}")
     extra_syncs = (every["syncs"] - every["base_syncs"]) / n
-    print(f"   host reads per step (Tensor.item/tolist/__bool__/__float__/__int__ calls): {every['base_syncs'] / n:.2f}"
-          f" without callbacks (Lightning, torch and the plugin), {every['syncs'] / n:.2f} with them:"
-          f" +{extra_syncs:.2f} per step for all statistics of all parameters")
+    print(
+        f"   host reads per step (Tensor.item/tolist/__bool__/__float__/__int__ calls): {every['base_syncs'] / n:.2f}"
+        f" without callbacks (Lightning, torch and the plugin), {every['syncs'] / n:.2f} with them:"
+        f" +{extra_syncs:.2f} per step for all statistics of all parameters"
+    )
     print("   CPU time per step in the hooks (ms):")
     for key in sorted(per_step):
         print(f"     {key:<55s} {per_step[key] * 1e3:8.2f}")
@@ -313,11 +361,15 @@ def main() -> None:
         if owner == "UnderflowMonitor" and hook == "on_before_optimizer_step":
             cost -= ref  # the reference runs inside this hook
         amortized += cost / periods[owner]
-    print("   amortized at the default cadence (scale every step, histograms every 100, fractions every 50,"
-          " reference every 500):")
+    print(
+        "   amortized at the default cadence (scale every step, histograms every 100, fractions every 50,"
+        " reference every 500):"
+    )
     print(f"     +{amortized * 1e3:.2f} ms per step = ratio {1 + amortized / step_time:.4f}")
-    print(f"3. event-file bytes per 1000 steps at the default cadence: {nbytes * 1000 / args.bytes_steps / 1e3:.0f} kB"
-          f" (measured over {args.bytes_steps} steps)")
+    print(
+        f"3. event-file bytes per 1000 steps at the default cadence: {nbytes * 1000 / args.bytes_steps / 1e3:.0f} kB"
+        f" (measured over {args.bytes_steps} steps)"
+    )
 
 
 if __name__ == "__main__":

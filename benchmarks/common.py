@@ -18,6 +18,7 @@ docs/diagnostics.md with; it is the ``classifier`` workload and not part of the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -86,7 +87,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(d_model, heads, dropout)
         self.ln_2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model), nn.GELU(approximate="tanh"), nn.Linear(4 * d_model, d_model),
+            nn.Linear(d_model, 4 * d_model),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(4 * d_model, d_model),
             _dropout(dropout),
         )
 
@@ -186,8 +189,15 @@ def mlp_data(n: int, width: int = 32, batch_size: int = 16) -> DataLoader:
 class TransformerClassifier(L.LightningModule):
     """A post-norm transformer encoder classifier with dropout: the model of ``callback_overhead.py``."""
 
-    def __init__(self, vocab: int = 1000, d_model: int = 256, layers: int = 4, heads: int = 4, classes: int = 10,
-                 dropout: float = 0.1):
+    def __init__(
+        self,
+        vocab: int = 1000,
+        d_model: int = 256,
+        layers: int = 4,
+        heads: int = 4,
+        classes: int = 10,
+        dropout: float = 0.1,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=dropout, batch_first=True)
@@ -231,16 +241,23 @@ def get_workload(name: str, size: str = "small", dropout: float = 0.0) -> Worklo
         c = GPT_SIZES[size]
         drop = f", dropout {dropout:g}" if dropout else ", no dropout"
         return Workload(
-            name, lambda: GPT(c, dropout), lambda steps: gpt_data(c, steps),
+            name,
+            lambda: GPT(c, dropout),
+            lambda steps: gpt_data(c, steps),
             f"GPT-style LM, size {size}: {c.layers} layers, d_model {c.d_model}, {c.heads} heads, vocab {c.vocab}, "
             f"sequence {c.seq}, batch {c.batch}, tied embeddings{drop}, AdamW",
         )
     if name == "deep_mlp":
-        return Workload(name, DeepMLP, lambda steps: mlp_data(16 * steps),
-                        "200 x (Linear(32, 32) + ReLU), batch 16, AdamW")
+        return Workload(
+            name, DeepMLP, lambda steps: mlp_data(16 * steps), "200 x (Linear(32, 32) + ReLU), batch 16, AdamW"
+        )
     if name == "classifier":
-        return Workload(name, TransformerClassifier, lambda steps: transformer_data(16 * steps),
-                        "4-layer transformer encoder classifier, d_model 256, dropout 0.1, AdamW")
+        return Workload(
+            name,
+            TransformerClassifier,
+            lambda steps: transformer_data(16 * steps),
+            "4-layer transformer encoder classifier, d_model 256, dropout 0.1, AdamW",
+        )
     raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
 
 
@@ -276,8 +293,9 @@ class StepTimer(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._cuda = trainer.strategy.root_device.type == "cuda"
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.warmup:
             if self._cuda:
                 torch.cuda.synchronize()
@@ -286,8 +304,9 @@ class StepTimer(L.Callback):
             self._w0 = time.perf_counter()
         self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx < self.warmup:
             return
         self.times.append(time.perf_counter() - self._t0)
@@ -368,16 +387,16 @@ def time_steps(
         raise ValueError(f"steps ({steps}) must exceed the warm-up ({warmup})")
     L.seed_everything(seed, verbose=False)
     timer = StepTimer(warmup, steps)
-    kwargs: dict[str, Any] = dict(
-        accelerator=accelerator,
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer, *(callbacks or [])],
-    )
+    kwargs: dict[str, Any] = {
+        "accelerator": accelerator,
+        "devices": 1,
+        "max_steps": steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "callbacks": [timer, *(callbacks or [])],
+    }
     if plugin is not None:
         kwargs["plugins"] = [plugin]
     else:
@@ -403,11 +422,12 @@ def release_memory() -> None:
 def machine(accelerator: str) -> str:
     """CPU model, cores, torch threads, torch and Lightning versions, and the GPU when one is used."""
     cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     threads = torch.get_num_threads()
     parts = []
     if resolve_accelerator(accelerator) == "gpu":

@@ -56,7 +56,8 @@ def memory_table(summary: step_time.Summary) -> str:
             n = r["params"]
             per_param = [r[k] / n for k in ("weights", "masters", "grads", "master_grads", "optimizer_state")]
             row = (
-                f"| {workload} | {precision} | " + " | ".join(f"{v:.2f}" for v in per_param)
+                f"| {workload} | {precision} | "
+                + " | ".join(f"{v:.2f}" for v in per_param)
                 + f" | {sum(per_param):.2f} | {r['activations'] / MiB:.2f} | {r['weight_copies'] / MiB:.2f} |"
             )
             if peak:
@@ -81,8 +82,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     step_time.add_arguments(p)
     p.add_argument("--no-profile", action="store_true", help="skip the profile runs")
     p.add_argument("--out", type=Path, help="also write the markdown here")
-    p.add_argument("--update", action="store_true",
-                   help=f"paste the tables into {', '.join(str(t.relative_to(ROOT)) for t in TARGETS)}")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help=f"paste the tables into {', '.join(str(t.relative_to(ROOT)) for t in TARGETS)}",
+    )
     args = p.parse_args(argv)
     step_time.quiet_lightning()
     cfg = step_time.configure(args)
@@ -97,8 +101,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if not args.no_profile and not cfg.time_left():
         print("\n(profile skipped: --max-minutes spent)")
     elif not args.no_profile:
-        profile = step_time.run_profiles(cfg.workloads, cfg.precisions, cfg.accelerator, cfg.warmup,
-                                         args.profile_steps, args.top, log=step_time.progress(args))
+        profile = step_time.run_profiles(
+            cfg.workloads,
+            cfg.precisions,
+            cfg.accelerator,
+            cfg.warmup,
+            args.profile_steps,
+            args.top,
+            log=step_time.progress(args),
+        )
         profile = f"Command: `{command}` (profile part).\n\n{profile}"
         print("\n" + profile)
     if args.out:
@@ -110,8 +121,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if profile:
             paste(TARGETS[0], profile, PROFILE_MARKERS)
     results = {
-        w: {name: {"seconds_per_step": summary.step_times(w, name).median, **(runs[0].memory or {})}
-            for name, runs in by.items()}
+        w: {
+            name: {"seconds_per_step": summary.step_times(w, name).median, **(runs[0].memory or {})}
+            for name, runs in by.items()
+        }
         for w, by in summary.runs.items()
     }
     out = {**summary.to_json(), "results": results, "markdown": text, "profile": profile, "summary": summary}

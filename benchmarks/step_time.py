@@ -63,10 +63,11 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import wraps
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -74,8 +75,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
-from common import GPT_SIZES, WORKLOADS, Workload, get_workload, machine, release_memory  # noqa: E402
-from common import resolve_accelerator, time_steps  # noqa: E402
+from common import (  # noqa: E402  # noqa: E402
+    GPT_SIZES,
+    WORKLOADS,
+    Workload,
+    get_workload,
+    machine,
+    release_memory,
+    resolve_accelerator,
+    time_steps,
+)
 from example_utils import PRECISIONS, precision_setup  # noqa: E402
 
 from lightning_mpt import MPTPrecision  # noqa: E402
@@ -174,17 +183,25 @@ def run_rounds(
             break
         for w, wl in workloads.items():
             names = precisions[w]
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 probe = memory_probe(at_step=warmup - 1) if memory_probe is not None and r == 0 else None
-                timer = time_steps(wl, steps, callbacks=[probe] if probe is not None else [], accelerator=accelerator,
-                                   warmup=warmup, **precision_kwargs(name, accelerator))
+                timer = time_steps(
+                    wl,
+                    steps,
+                    callbacks=[probe] if probe is not None else [],
+                    accelerator=accelerator,
+                    warmup=warmup,
+                    **precision_kwargs(name, accelerator),
+                )
                 run = Run(timer.seconds_per_step, timer.skipped, timer.peak_bytes, probe.result if probe else None)
                 runs[w][name].append(run)
                 extra = f", {run.skipped} skipped" if run.skipped else ""
                 extra += f", peak {run.peak_bytes / MiB:.0f} MiB" if run.peak_bytes else ""
-                log(f"[{time.perf_counter() - t_start:6.1f}s] round {r + 1}/{rounds} {w:<11} {name:<10} "
-                    f"{1000 * run.seconds:9.2f} ms/step{extra}")
+                log(
+                    f"[{time.perf_counter() - t_start:6.1f}s] round {r + 1}/{rounds} {w:<11} {name:<10} "
+                    f"{1000 * run.seconds:9.2f} ms/step{extra}"
+                )
     return runs
 
 
@@ -227,9 +244,9 @@ def param_split(model: torch.nn.Module, keep_fp32: tuple[type[torch.nn.Module], 
 def byte_model(wl: Workload, mpt: str) -> tuple[ByteModel, list, list]:
     with torch.device("meta"):
         model = wl.model()
-    plugin = MPTPrecision(mpt[len("mpt-"):])  # type: ignore[arg-type]
+    plugin = MPTPrecision(mpt[len("mpt-") :])  # type: ignore[arg-type]
     half, fp32 = param_split(model, plugin.keep_fp32)
-    numel = lambda shapes: sum(math.prod(s) for s in shapes)  # noqa: E731
+    numel = lambda shapes: sum(math.prod(s) for s in shapes)
     return ByteModel(numel(half), numel(fp32), plugin.scaler is not None), half, fp32
 
 
@@ -241,7 +258,7 @@ def _sync(device: torch.device) -> None:
 DRAM_BUFFER = 256 * MiB  # beyond the caches (the 2-core VM of the first runs copies at cache speed up to ~56 MiB)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def copy_bandwidth(nbytes: int, device: torch.device, reps: int = 5) -> float:
     """Bytes per second of ``dst.copy_(src)`` on fp32 buffers of ``nbytes`` (read + write counted): the best of
     ``reps`` timings, each over enough copies to last about a millisecond. Cached per size and device."""
@@ -271,8 +288,15 @@ def copy_bandwidth(nbytes: int, device: torch.device, reps: int = 5) -> float:
     return 2 * 4 * n / best
 
 
-def bare_passes(half_shapes: list, fp32_shapes: list, dtype: torch.dtype, scaling: bool, device: torch.device,
-                fresh: bool, reps: int = 10) -> float:
+def bare_passes(
+    half_shapes: list,
+    fp32_shapes: list,
+    dtype: torch.dtype,
+    scaling: bool,
+    device: torch.device,
+    fresh: bool,
+    reps: int = 10,
+) -> float:
     """Seconds (best of ``reps``) of the byte model's passes as bare torch ops on tensors of the model's shapes: the
     foreach copy of the half grads into fp32, the fused AMP unscale, (the copy back into half), the foreach refresh
     of the half weights. ``fresh``: allocate the fp32 gradients anew each time, as the plugin does per step."""
@@ -389,29 +413,59 @@ class Summary:
     def targets(self) -> list[Target]:
         out = []
         if "transformer" in self.runs:
-            out.append(Target("transformer", "mpt-bf16 / bf16-true <= 1.0",
-                              self.ratio("transformer", "mpt-bf16", "bf16-true"), 1.0))
+            out.append(
+                Target(
+                    "transformer",
+                    "mpt-bf16 / bf16-true <= 1.0",
+                    self.ratio("transformer", "mpt-bf16", "bf16-true"),
+                    1.0,
+                )
+            )
             floor = self.floors.get("transformer", {}).get("mpt-bf16")
             over = self.overhead("transformer", "mpt-bf16")
             if floor is not None and over is not None:
                 rel = Spread([v / floor.seconds for v in over.values])
-                out.append(Target("transformer", "mpt-bf16 overhead over bf16-true <= 2x the bandwidth floor", rel, 2.0,
-                                  "x floor"))
+                out.append(
+                    Target(
+                        "transformer", "mpt-bf16 overhead over bf16-true <= 2x the bandwidth floor", rel, 2.0, "x floor"
+                    )
+                )
             if self.accelerator == "gpu":
                 sized = "" if self.size == "gpt2" else f" (size {self.size}, the target is for gpt2)"
-                out.append(Target("transformer", f"GPU: mpt-bf16 / bf16-mixed <= 0.9{sized}",
-                                  self.ratio("transformer", "mpt-bf16", "bf16-mixed"), 0.9))
-                out.append(Target("transformer", f"GPU: mpt-fp16 / 16-mixed <= 0.9{sized}",
-                                  self.ratio("transformer", "mpt-fp16", "16-mixed"), 0.9))
+                out.append(
+                    Target(
+                        "transformer",
+                        f"GPU: mpt-bf16 / bf16-mixed <= 0.9{sized}",
+                        self.ratio("transformer", "mpt-bf16", "bf16-mixed"),
+                        0.9,
+                    )
+                )
+                out.append(
+                    Target(
+                        "transformer",
+                        f"GPU: mpt-fp16 / 16-mixed <= 0.9{sized}",
+                        self.ratio("transformer", "mpt-fp16", "16-mixed"),
+                        0.9,
+                    )
+                )
         if "deep_mlp" in self.runs:
-            out.append(Target("deep_mlp", "mpt-fp16 / 16-mixed (fp16 autocast + GradScaler) <= 0.9",
-                              self.ratio("deep_mlp", "mpt-fp16", "16-mixed"), 0.9))
+            out.append(
+                Target(
+                    "deep_mlp",
+                    "mpt-fp16 / 16-mixed (fp16 autocast + GradScaler) <= 0.9",
+                    self.ratio("deep_mlp", "mpt-fp16", "16-mixed"),
+                    0.9,
+                )
+            )
         return out
 
     # ------------------------------------------------------------------ output
     def markdown(self) -> str:
-        timing = "mean over the timed window between two device syncs" if self.accelerator == "gpu" else \
-            "median of the timed steps"
+        timing = (
+            "mean over the timed window between two device syncs"
+            if self.accelerator == "gpu"
+            else "median of the timed steps"
+        )
         lines = [
             f"Machine: {self.machine}.",
             "",
@@ -422,8 +476,10 @@ class Summary:
         for w, by_precision in self.runs.items():
             peak = all(r.peak_bytes for runs in by_precision.values() for r in runs)
             lines += ["", f"**{w}** ({self.params[w] / 1e6:.2f}M parameters): {self.descriptions[w]}.", ""]
-            lines += ["| precision | ms/step | skipped steps while timing |" + (" peak MiB |" if peak else ""),
-                      "|---|--:|--:|" + ("--:|" if peak else "")]
+            lines += [
+                "| precision | ms/step | skipped steps while timing |" + (" peak MiB |" if peak else ""),
+                "|---|--:|--:|" + ("--:|" if peak else ""),
+            ]
             for p, runs in by_precision.items():
                 row = f"| {p} | {self.step_times(w, p).fmt(2, 1000)} | {sum(r.skipped for r in runs)} |"
                 if peak:
@@ -438,35 +494,55 @@ class Summary:
             if floors:
                 first = next(iter(floors.values()))
                 dram_mib = max(4 * first.bytes.half_params, self.dram_bytes) / MiB
-                lines += ["", f"Copy bandwidth: {first.bandwidth / 1e9:.1f} GB/s between buffers of {dram_mib:.0f} MiB "
-                              f"(beyond the caches: the floor's), {first.bandwidth_model_size / 1e9:.1f} GB/s between "
-                              f"buffers the size of the fp32 master gradients ({4 * first.bytes.half_params / MiB:.1f} "
-                              "MiB).",
-                          "", "| plugin overhead | ms/step | plugin bytes/step (byte model) | bandwidth floor "
-                              "(beyond the caches) | overhead / floor | floor at cache speed (the gradients' size) "
-                              "| the byte model's passes as bare torch ops (fp32 grads reused / allocated per step) |",
-                          "|---|--:|--:|--:|--:|--:|--:|"]
+                lines += [
+                    "",
+                    f"Copy bandwidth: {first.bandwidth / 1e9:.1f} GB/s between buffers of {dram_mib:.0f} MiB "
+                    f"(beyond the caches: the floor's), {first.bandwidth_model_size / 1e9:.1f} GB/s between "
+                    f"buffers the size of the fp32 master gradients ({4 * first.bytes.half_params / MiB:.1f} "
+                    "MiB).",
+                    "",
+                    "| plugin overhead | ms/step | plugin bytes/step (byte model) | bandwidth floor "
+                    "(beyond the caches) | overhead / floor | floor at cache speed (the gradients' size) "
+                    "| the byte model's passes as bare torch ops (fp32 grads reused / allocated per step) |",
+                    "|---|--:|--:|--:|--:|--:|--:|",
+                ]
                 for m, fl in floors.items():
                     rows = [(f"{m} - {TRUE_OF[m]}", self.overhead(w, m), True)]
                     if m == "mpt-bf16" and NOMASTER in by_precision:
-                        rows += [(f"{m} - {NOMASTER} (the master weights)", self.overhead(w, m, NOMASTER), True),
-                                 (f"{NOMASTER} - {TRUE_OF[m]} (autocast, fp32 norms, step logic)",
-                                  self.overhead(w, NOMASTER, TRUE_OF[m]), False)]
+                        rows += [
+                            (f"{m} - {NOMASTER} (the master weights)", self.overhead(w, m, NOMASTER), True),
+                            (
+                                f"{NOMASTER} - {TRUE_OF[m]} (autocast, fp32 norms, step logic)",
+                                self.overhead(w, NOMASTER, TRUE_OF[m]),
+                                False,
+                            ),
+                        ]
                     for label, over, with_floor in rows:
                         rel = Spread([v / fl.seconds for v in over.values]).fmt(1) if over and with_floor else "–"
                         floor_cells = "– | – | – | – | –"
                         if with_floor:
-                            floor_cells = (f"{fl.bytes.total / 1e6:.1f} MB | {1000 * fl.seconds:.3f} ms | {rel} | "
-                                           f"{1000 * fl.bytes.total / fl.bandwidth_model_size:.3f} ms | "
-                                           f"{1000 * fl.bare_reused:.3f} / {1000 * fl.bare_fresh:.3f} ms")
+                            floor_cells = (
+                                f"{fl.bytes.total / 1e6:.1f} MB | {1000 * fl.seconds:.3f} ms | {rel} | "
+                                f"{1000 * fl.bytes.total / fl.bandwidth_model_size:.3f} ms | "
+                                f"{1000 * fl.bare_reused:.3f} / {1000 * fl.bare_fresh:.3f} ms"
+                            )
                         lines.append(f"| {label} | {over.fmt(2, 1000) if over else 'n/a'} | {floor_cells} |")
-        worst = max(((s.hi / s.lo - 1, w, p) for w, by in self.runs.items() for p in by
-                      for s in [self.step_times(w, p)]), default=None)
+        worst = max(
+            ((s.hi / s.lo - 1, w, p) for w, by in self.runs.items() for p in by for s in [self.step_times(w, p)]),
+            default=None,
+        )
         if worst is not None and len(next(iter(next(iter(self.runs.values())).values()))) > 1:
             spread, w, p = worst
-            lines += ["", f"Largest spread of a step time over the rounds: {100 * spread:.1f}% ({w}, {p})."
-                      + (" More than 10%: the machine was busy while measuring; these ratios are not reliable (on a"
-                         " shared CPU try --threads 1, or measure on a quiet machine)." if spread > 0.10 else "")]
+            lines += [
+                "",
+                f"Largest spread of a step time over the rounds: {100 * spread:.1f}% ({w}, {p})."
+                + (
+                    " More than 10%: the machine was busy while measuring; these ratios are not reliable (on a"
+                    " shared CPU try --threads 1, or measure on a quiet machine)."
+                    if spread > 0.10
+                    else ""
+                ),
+            ]
         targets = self.targets()
         if targets:
             lines += ["", "| target (issue 12) | measured: median [min–max] | verdict |", "|---|--:|---|"]
@@ -482,26 +558,59 @@ class Summary:
         for w, floors in self.floors.items():
             for m, fl in floors.items():
                 b = fl.bytes
-                out.append(f"{w} {m}: H = {b.half_params:,} half parameters with a master, "
-                           f"F = {b.fp32_params:,} kept fp32")
+                out.append(
+                    f"{w} {m}: H = {b.half_params:,} half parameters with a master, F = {b.fp32_params:,} kept fp32"
+                )
                 out += [f"    {name}: {n / 1e6:.2f} MB" for name, n in b.components()]
-                out.append(f"    total {b.total / 1e6:.2f} MB / {fl.bandwidth / 1e9:.1f} GB/s "
-                           f"= floor {1000 * fl.seconds:.3f} ms")
+                out.append(
+                    f"    total {b.total / 1e6:.2f} MB / {fl.bandwidth / 1e9:.1f} GB/s "
+                    f"= floor {1000 * fl.seconds:.3f} ms"
+                )
         return "\n".join(out)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "machine": self.machine, "command": self.command, "accelerator": self.accelerator, "size": self.size,
-            "rounds": self.rounds, "steps": self.steps, "warmup": self.warmup, "params": self.params,
+            "machine": self.machine,
+            "command": self.command,
+            "accelerator": self.accelerator,
+            "size": self.size,
+            "rounds": self.rounds,
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "params": self.params,
             "runs": {w: {p: [r.__dict__ for r in runs] for p, runs in by.items()} for w, by in self.runs.items()},
-            "ratios": {w: {f"{m} / {b}": self.ratio(w, m, b).values  # type: ignore[union-attr]
-                           for m, b in self.ratio_pairs(w)} for w in self.runs},
-            "floors": {w: {m: {"bytes": f.bytes.total, "components": f.bytes.components(), "bandwidth": f.bandwidth,
-                               "bandwidth_model_size": f.bandwidth_model_size,
-                               "floor_seconds": f.seconds, "bare_reused": f.bare_reused, "bare_fresh": f.bare_fresh}
-                           for m, f in fl.items()} for w, fl in self.floors.items()},
-            "targets": [{"workload": t.workload, "target": t.text, "values": t.value.values if t.value else None,
-                         "limit": t.limit, "met": t.met} for t in self.targets()],
+            "ratios": {
+                w: {
+                    f"{m} / {b}": self.ratio(w, m, b).values  # type: ignore[union-attr]
+                    for m, b in self.ratio_pairs(w)
+                }
+                for w in self.runs
+            },
+            "floors": {
+                w: {
+                    m: {
+                        "bytes": f.bytes.total,
+                        "components": f.bytes.components(),
+                        "bandwidth": f.bandwidth,
+                        "bandwidth_model_size": f.bandwidth_model_size,
+                        "floor_seconds": f.seconds,
+                        "bare_reused": f.bare_reused,
+                        "bare_fresh": f.bare_fresh,
+                    }
+                    for m, f in fl.items()
+                }
+                for w, fl in self.floors.items()
+            },
+            "targets": [
+                {
+                    "workload": t.workload,
+                    "target": t.text,
+                    "values": t.value.values if t.value else None,
+                    "limit": t.limit,
+                    "met": t.met,
+                }
+                for t in self.targets()
+            ],
         }
 
 
@@ -566,8 +675,9 @@ class ProfileWindow(L.Callback):
         self._cuda = cuda
         self._on = False
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.start - 1:
             self.prof.__enter__()
             self._on = True
@@ -576,8 +686,9 @@ class ProfileWindow(L.Callback):
                 torch.cuda.synchronize()
             self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._on:
             return
         if batch_idx == self.start + self.count - 1:
@@ -612,8 +723,14 @@ def profile_run(wl: Workload, precision: str, accelerator: str, warmup: int, cou
     cuda = accelerator == "gpu"
     window = ProfileWindow(warmup, count, cuda)
     with labelled_methods():
-        time_steps(wl, warmup + count, callbacks=[window], accelerator=accelerator, warmup=warmup,
-                   **precision_kwargs(precision, accelerator))
+        time_steps(
+            wl,
+            warmup + count,
+            callbacks=[window],
+            accelerator=accelerator,
+            warmup=warmup,
+            **precision_kwargs(precision, accelerator),
+        )
     averages = window.prof.key_averages()
     ops: dict[str, float] = {}
     for e in averages:
@@ -656,8 +773,13 @@ def profile_markdown(w: str, profiles: list[Profile], top: int, cuda: bool) -> s
                 chosen.append(op)
     chosen.sort(key=lambda op: -max(p.ops.get(op, 0.0) for p in profiles))
     head = "| op | " + " | ".join(p.precision for p in profiles) + " |"
-    lines = [f"**{w}**: top {top} ops of each precision by {kind}, ms per step (share of all ops' self time); "
-             f"{profiles[0].steps} profiled steps.", "", head, "|---|" + "--:|" * len(profiles)]
+    lines = [
+        f"**{w}**: top {top} ops of each precision by {kind}, ms per step (share of all ops' self time); "
+        f"{profiles[0].steps} profiled steps.",
+        "",
+        head,
+        "|---|" + "--:|" * len(profiles),
+    ]
     for op in chosen:
         cells = [f"{p.ops[op]:.2f} ({100 * p.ops[op] / p.total_ms:.0f}%)" if op in p.ops else "–" for p in profiles]
         lines.append(f"| `{op.replace('|', '/')}` | " + " | ".join(cells) + " |")
@@ -666,19 +788,31 @@ def profile_markdown(w: str, profiles: list[Profile], top: int, cuda: bool) -> s
     names = [n for n in PHASES if any(n in p.phases for p in profiles)]
     names += sorted({n for p in profiles for n in p.phases} - set(names))
     host = "host ms per step (including waits at device syncs)" if cuda else "ms per step"
-    lines += ["", f"**{w}**: step phases, {host}: each label's time minus the labels nested in it. `optimizer update`"
-                  " is `Optimizer.step` without what the closure runs inside it (forward, backward, zero_grad and the"
-                  " plugin's labelled methods, not Lightning's own closure bookkeeping); `MasterWeights.prepare` copies"
-                  " and unscales the gradients, `MasterWeights.exit` refreshes the half weights.", "",
-              "| phase | " + " | ".join(p.precision for p in profiles) + " |", "|---|" + "--:|" * len(profiles)]
+    lines += [
+        "",
+        f"**{w}**: step phases, {host}: each label's time minus the labels nested in it. `optimizer update`"
+        " is `Optimizer.step` without what the closure runs inside it (forward, backward, zero_grad and the"
+        " plugin's labelled methods, not Lightning's own closure bookkeeping); `MasterWeights.prepare` copies"
+        " and unscales the gradients, `MasterWeights.exit` refreshes the half weights.",
+        "",
+        "| phase | " + " | ".join(p.precision for p in profiles) + " |",
+        "|---|" + "--:|" * len(profiles),
+    ]
     for n in names:
         cells = [f"{p.phases[n]:.2f}" if n in p.phases else "–" for p in profiles]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def run_profiles(workloads: dict[str, Workload], precisions: dict[str, list[str]], accelerator: str, warmup: int,
-                 count: int, top: int, log: Callable[[str], None] = print) -> str:
+def run_profiles(
+    workloads: dict[str, Workload],
+    precisions: dict[str, list[str]],
+    accelerator: str,
+    warmup: int,
+    count: int,
+    top: int,
+    log: Callable[[str], None] = print,
+) -> str:
     parts = []
     for w, wl in workloads.items():
         profiles = []
@@ -692,29 +826,51 @@ def run_profiles(workloads: dict[str, Workload], precisions: dict[str, list[str]
 # ================================================================================================ entry point
 def add_arguments(p: argparse.ArgumentParser, steps: int = 25, rounds: int = 5) -> None:
     p.add_argument("--accelerator", default="cpu", help="cpu, gpu (cuda), or auto")
-    p.add_argument("--size", choices=list(GPT_SIZES), default=None,
-                   help="transformer size: tiny, small (default on CPU), gpt2 (default on GPU: GPT-2 small, 124M)")
-    p.add_argument("--dropout", type=float, default=0.0,
-                   help="dropout of the transformer (default 0, as in pretraining)")
+    p.add_argument(
+        "--size",
+        choices=list(GPT_SIZES),
+        default=None,
+        help="transformer size: tiny, small (default on CPU), gpt2 (default on GPU: GPT-2 small, 124M)",
+    )
+    p.add_argument(
+        "--dropout", type=float, default=0.0, help="dropout of the transformer (default 0, as in pretraining)"
+    )
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    p.add_argument("--precisions", nargs="+", choices=[*ALL_PRECISIONS, "all"],
-                   help=f"default: all; on CPU the transformer runs 32-true and the bf16 ones only. {NOMASTER} is "
-                   "MPTPrecision('bf16', master_weights=False) (the transformer runs it by default)")
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=[*ALL_PRECISIONS, "all"],
+        help=f"default: all; on CPU the transformer runs 32-true and the bf16 ones only. {NOMASTER} is "
+        "MPTPrecision('bf16', master_weights=False) (the transformer runs it by default)",
+    )
     p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (the issue asks for at least 5)")
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run, warm-up included "
-                   f"(default {steps} on CPU, 13 on GPU)")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed first steps of each run (default 5 on CPU, 3 on GPU)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps per run, warm-up included (default {steps} on CPU, 13 on GPU)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed first steps of each run (default 5 on CPU, 3 on GPU)"
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-floor", action="store_true", help="skip the bandwidth floor")
-    p.add_argument("--bandwidth-mib", type=int, default=DRAM_BUFFER // MiB,
-                   help="buffer size of the copy benchmark (default 256: beyond the caches); the model's fp32 master "
-                   "gradients' size if larger")
+    p.add_argument(
+        "--bandwidth-mib",
+        type=int,
+        default=DRAM_BUFFER // MiB,
+        help="buffer size of the copy benchmark (default 256: beyond the caches); the model's fp32 master "
+        "gradients' size if larger",
+    )
     p.add_argument("--profile", action="store_true", help="also profile one run per precision (top ops, phases)")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--top", type=int, default=6, help="ops per precision in the profile table")
-    p.add_argument("--max-minutes", type=float, help="time budget of the rounds (and the profile): start no round "
-                   "that would end past it; the rounds done are reported")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        help="time budget of the rounds (and the profile): start no round "
+        "that would end past it; the rounds done are reported",
+    )
     p.add_argument("--json", type=Path, help="also write the raw numbers here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -723,8 +879,13 @@ def quiet_lightning() -> None:
     """Lightning's per-run banners and the warnings that every benchmark run repeats."""
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_utilities"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    for msg in (".*does not have many workers.*", ".*isinstance\\(treespec, LeafSpec\\).*", ".*litlogger.*",
-                ".*precision.*is not supported by the model summary.*", ".*TensorFloat32.*"):
+    for msg in (
+        ".*does not have many workers.*",
+        ".*isinstance\\(treespec, LeafSpec\\).*",
+        ".*litlogger.*",
+        ".*precision.*is not supported by the model summary.*",
+        ".*TensorFloat32.*",
+    ):
         warnings.filterwarnings("ignore", message=msg)
 
 
@@ -771,12 +932,31 @@ def measure(args: argparse.Namespace, cfg: Config, command: str, probe_memory: b
     for w, wl in cfg.workloads.items():
         with torch.device("meta"):
             params[w] = sum(p.numel() for p in wl.model().parameters())
-    runs = run_rounds(cfg.workloads, cfg.precisions, rounds=args.rounds, steps=cfg.steps, warmup=cfg.warmup,
-                      accelerator=cfg.accelerator, probe_memory=probe_memory, deadline=cfg.deadline, log=log)
+    runs = run_rounds(
+        cfg.workloads,
+        cfg.precisions,
+        rounds=args.rounds,
+        steps=cfg.steps,
+        warmup=cfg.warmup,
+        accelerator=cfg.accelerator,
+        probe_memory=probe_memory,
+        deadline=cfg.deadline,
+        log=log,
+    )
     rounds = min(len(r) for by in runs.values() for r in by.values())
-    summary = Summary(cfg.accelerator, cfg.size, machine(cfg.accelerator), command, rounds, cfg.steps, cfg.warmup,
-                      {w: wl.description for w, wl in cfg.workloads.items()}, params, runs,
-                      dram_bytes=args.bandwidth_mib * MiB)
+    summary = Summary(
+        cfg.accelerator,
+        cfg.size,
+        machine(cfg.accelerator),
+        command,
+        rounds,
+        cfg.steps,
+        cfg.warmup,
+        {w: wl.description for w, wl in cfg.workloads.items()},
+        params,
+        runs,
+        dram_bytes=args.bandwidth_mib * MiB,
+    )
     if not args.no_floor:
         device = torch.device("cuda" if cfg.accelerator == "gpu" else "cpu")
         for w, wl in cfg.workloads.items():
@@ -803,8 +983,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if args.profile and not cfg.time_left():
         print("\n(profile skipped: --max-minutes spent)")
     elif args.profile:
-        profile = run_profiles(cfg.workloads, cfg.precisions, cfg.accelerator, cfg.warmup, args.profile_steps, args.top,
-                               log=progress(args))
+        profile = run_profiles(
+            cfg.workloads, cfg.precisions, cfg.accelerator, cfg.warmup, args.profile_steps, args.top, log=progress(args)
+        )
         print("\n" + profile)
     out = {**summary.to_json(), "markdown": text, "profile": profile}
     if args.json:

@@ -29,12 +29,19 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from example_utils import (
+    Classifier,
+    decay_groups,
+    diagnostics,
+    example_parser,
+    fit,
+    make_trainer,
+    parse_args,
+    print_summary,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from example_utils import (
-    Classifier, decay_groups, diagnostics, example_parser, fit, make_trainer, parse_args, print_summary,
-)
 from lightning_mpt import MPTPrecision
 
 PAD, CLS, POSITIVE, NEGATIVE = 0, 1, range(2, 6), range(6, 10)  # token ids; fillers are the ids from 10 up
@@ -122,15 +129,21 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
-    args = parse_args(p, argv, fast=dict(steps=100, dim=32, layers=1, heads=2, seq_len=16, vocab=32))
+    args = parse_args(p, argv, fast={"steps": 100, "dim": 32, "layers": 1, "heads": 2, "seq_len": 16, "vocab": 32})
 
     L.seed_everything(0, verbose=False)
-    train = DataLoader(sentiment_data(args.batch_size * args.steps, args.vocab, args.seq_len, seed=0),
-                       batch_size=args.batch_size, shuffle=True)
+    train = DataLoader(
+        sentiment_data(args.batch_size * args.steps, args.vocab, args.seq_len, seed=0),
+        batch_size=args.batch_size,
+        shuffle=True,
+    )
     val = DataLoader(sentiment_data(512, args.vocab, args.seq_len, seed=1), batch_size=256)
     plugin = MPTPrecision(args.precision)
     trainer = make_trainer(
-        args, "bert_finetune", plugins=[plugin], val_check_interval=args.steps,
+        args,
+        "bert_finetune",
+        plugins=[plugin],
+        val_check_interval=args.steps,
         callbacks=[*diagnostics(args.steps), L.pytorch.callbacks.LearningRateMonitor("step")],
     )
     model = TinyBert(args.vocab, args.seq_len, args.dim, args.layers, args.heads, lr=args.lr)

@@ -44,7 +44,7 @@ def precision_setup(name: str, accelerator: str = "cpu") -> dict[str, Any]:
         trainer = L.Trainer(max_steps=1, **precision_setup("mpt-fp16"))
     """
     if name.startswith("mpt-"):
-        return {"plugins": [MPTPrecision(name[len("mpt-"):])]}  # type: ignore[arg-type]
+        return {"plugins": [MPTPrecision(name[len("mpt-") :])]}  # type: ignore[arg-type]
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {name!r}; expected one of {PRECISIONS}")
     if name == "16-mixed" and accelerator == "cpu":
@@ -99,23 +99,25 @@ def make_trainer(
     runs log to ``version_<n>/<run>`` and TensorBoard shows them side by side.
     """
     logger = L.pytorch.loggers.TensorBoardLogger(args.logdir, name=name, version=version, sub_dir=run)
-    defaults: dict[str, Any] = dict(
-        accelerator=args.accelerator,
-        devices=1,
-        max_steps=args.steps,
-        logger=logger,
-        log_every_n_steps=min(10, args.steps),
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-    )
+    defaults: dict[str, Any] = {
+        "accelerator": args.accelerator,
+        "devices": 1,
+        "max_steps": args.steps,
+        "logger": logger,
+        "log_every_n_steps": min(10, args.steps),
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "enable_progress_bar": False,
+        "num_sanity_val_steps": 0,
+    }
     defaults.update(kwargs)
     defaults["callbacks"] = [LossHistory(), *defaults.get("callbacks", [])]
     return L.Trainer(**defaults)
 
 
-def fit(trainer: L.Trainer, model: L.LightningModule, train: DataLoader, val: Optional[DataLoader] = None) -> dict[str, Any]:
+def fit(
+    trainer: L.Trainer, model: L.LightningModule, train: DataLoader, val: Optional[DataLoader] = None
+) -> dict[str, Any]:
     """``trainer.fit`` and a summary: steps, mean ``train_loss`` of the first and last 5 steps, ``val_acc`` if
     validated, skipped steps and final loss scale (under :class:`MPTPrecision`), seconds, log directory."""
     history = next(cb for cb in trainer.callbacks if isinstance(cb, LossHistory))

@@ -34,12 +34,12 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from example_utils import example_parser, fit, make_trainer, parse_args, print_summary
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from example_utils import example_parser, fit, make_trainer, parse_args, print_summary
 from lightning_mpt import MPTPrecision
 from lightning_mpt.callbacks import LossScaleMonitor
 from lightning_mpt.fsdp import is_sharded
@@ -90,8 +90,17 @@ class LitGPT(L.LightningModule):
         assert model.model(torch.zeros(2, 8, dtype=torch.long)).shape == (2 * 8, 16)
     """
 
-    def __init__(self, vocab: int = 32, seq_len: int = 32, dim: int = 64, depth: int = 2, heads: int = 4,
-                 lr: float = 3e-3, half_norms: bool = False, reduce_fp32: bool = False) -> None:
+    def __init__(
+        self,
+        vocab: int = 32,
+        seq_len: int = 32,
+        dim: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        lr: float = 3e-3,
+        half_norms: bool = False,
+        reduce_fp32: bool = False,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(vocab, seq_len, dim, depth, heads)
@@ -157,24 +166,33 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--half-norms", action="store_true", help="all-gather LayerNorms in the half format")
     p.add_argument("--reduce-fp32", action="store_true", help="reduce-scatter gradients in fp32")
     p.add_argument("--summary", default=None, help="write the summary as JSON to this file (rank 0)")
-    args = parse_args(p, argv, fast=dict(steps=30, dim=32, depth=2, heads=2, seq_len=16, batch_size=8))
+    args = parse_args(p, argv, fast={"steps": 30, "dim": 32, "depth": 2, "heads": 2, "seq_len": 16, "batch_size": 8})
 
     L.seed_everything(0, verbose=False)  # the same initial weights on every rank, before sharding
     world = args.devices * args.num_nodes
     data = markov_data(args.batch_size * world * args.steps, args.vocab, args.seq_len)
     plugin = MPTPrecision(args.precision)
     trainer = make_trainer(
-        args, "fsdp_transformer", plugins=[plugin], callbacks=[LossScaleMonitor()],
+        args,
+        "fsdp_transformer",
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor()],
         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-        devices=args.devices, num_nodes=args.num_nodes,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
     )
-    model = LitGPT(args.vocab, args.seq_len, args.dim, args.depth, args.heads, args.lr, args.half_norms,
-                   args.reduce_fp32)
+    model = LitGPT(
+        args.vocab, args.seq_len, args.dim, args.depth, args.heads, args.lr, args.half_norms, args.reduce_fp32
+    )
     first_scale = plugin.loss_scale
     summary = fit(trainer, model, DataLoader(data, batch_size=args.batch_size))
     master = plugin.main_params(trainer.optimizers[0])[0]
-    summary.update(first_loss_scale=first_scale, strategy=type(trainer.strategy).__name__, world_size=world,
-                   masters=f"{type(master).__name__} {master.dtype}")
+    summary.update(
+        first_loss_scale=first_scale,
+        strategy=type(trainer.strategy).__name__,
+        world_size=world,
+        masters=f"{type(master).__name__} {master.dtype}",
+    )
     if trainer.global_rank == 0:
         print_summary("fsdp_transformer", summary)
         if args.summary:

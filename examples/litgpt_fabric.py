@@ -29,10 +29,10 @@ from litgpt.model import GPT, RMSNorm
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from example_utils import example_parser, next_version, parse_args, print_summary  # noqa: E402
+from example_utils import example_parser, next_version, parse_args, print_summary
 
-from lightning_mpt.fabric import MPTPrecision  # noqa: E402
-from lightning_mpt.master import DEFAULT_KEEP_FP32  # noqa: E402
+from lightning_mpt.fabric import MPTPrecision
+from lightning_mpt.master import DEFAULT_KEEP_FP32
 
 NAME = "litgpt_fabric"
 
@@ -50,7 +50,9 @@ def stdlib_bytes(limit: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
 
 
-def batches(data: torch.Tensor, block: int, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def batches(
+    data: torch.Tensor, block: int, batch: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch`` random windows of ``block + 1`` bytes: inputs and next-byte targets."""
     starts = torch.randint(0, len(data) - block - 1, (batch,), generator=generator)
     windows = torch.stack([data[s : s + block + 1] for s in starts.tolist()])
@@ -77,7 +79,12 @@ def config(args: Any) -> Config:
 
 
 def train(
-    args: Any, precision: str, data: torch.Tensor, val: torch.Tensor, version: int, plugin: Optional[MPTPrecision] = None
+    args: Any,
+    precision: str,
+    data: torch.Tensor,
+    val: torch.Tensor,
+    version: int,
+    plugin: Optional[MPTPrecision] = None,
 ) -> dict[str, Any]:
     """One Fabric run; ``plugin`` (MPTPrecision) or Fabric's own ``precision``. Returns a summary (on every rank)."""
     logger = TensorBoardLogger(args.logdir, name=NAME, version=version, sub_dir=precision)
@@ -112,13 +119,11 @@ def train(
         losses.append(loss.detach())
         metrics: dict[str, Any] = {"train_loss": loss.detach()}
         if plugin is not None:
-            metrics.update(
-                {
-                    "mpt/loss_scale": plugin.last_step.scale,  # the scale this step's gradients were computed with
-                    "mpt/skipped_steps": plugin.skipped_steps,
-                    "mpt/overflow": float(plugin.last_step_skipped),
-                }
-            )
+            metrics.update({
+                "mpt/loss_scale": plugin.last_step.scale,  # the scale this step's gradients were computed with
+                "mpt/skipped_steps": plugin.skipped_steps,
+                "mpt/overflow": float(plugin.last_step_skipped),
+            })
         fabric.log_dict(metrics, step=step)
     seconds = time.perf_counter() - start
 
@@ -163,7 +168,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
     args = parse_args(
         parser,
         argv,
-        fast=dict(steps=40, n_layer=2, n_embd=64, block_size=64, batch_size=8, corpus_bytes=200_000, val_batches=2),
+        fast={
+            "steps": 40,
+            "n_layer": 2,
+            "n_embd": 64,
+            "block_size": 64,
+            "batch_size": 8,
+            "corpus_bytes": 200_000,
+            "val_batches": 2,
+        },
     )
 
     corpus = stdlib_bytes(args.corpus_bytes)

@@ -48,7 +48,7 @@ reduce-scatters per step (counted at the collectives):
 Measured on the default BERT-like model (110,530 parameters, batch 32, AdamW) on 2 processes, per rank: bytes per
 parameter of the model, and bytes sent per step:
 
-| precision  | fp32 shards (masters) | grad shards | AdamW state | total at the step | half copy at the step | half copy, forward peak | all-gather B/step | reduce-scatter B/step |
+| precision | fp32 shards | grad shards | AdamW | total | half, step | half, fwd peak | all-gather B | r-scatter B |
 |------------|------|------|------|------|------|------|--------|--------|
 | 32-true    | 2.00 | 2.00 | 4.00 | 8.00 | 0.00 | 2.19 (fp32) | 420996 | 442120 |
 | bf16-mixed | 2.00 | 2.00 | 4.00 | 8.00 | 0.00 | 1.10 | 210498 | 221060 |
@@ -70,12 +70,18 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from torch import Tensor, nn
+from example_utils import (
+    PRECISIONS,
+    example_parser,
+    make_trainer,
+    next_version,
+    parse_args,
+    precision_setup,
+    synthetic_images,
+)
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from example_utils import (
-    PRECISIONS, example_parser, make_trainer, next_version, parse_args, precision_setup, synthetic_images,
-)
 from lightning_mpt import MPTPrecision
 
 try:  # FSDP2 (torch >= 2.6): only for --strategy fsdp
@@ -154,8 +160,12 @@ class MemoryProbe(L.Callback):
         counted: set[Any] = set()  # each tensor once: a module gradient that is its master's gradient is one tensor
         self.result = {
             "params": sum(p.numel() for p in params),
-            "norm_params": sum(p.numel() for m in pl_module.modules() if isinstance(m, NORM_LAYERS)
-                               for p in m.parameters(recurse=False)),
+            "norm_params": sum(
+                p.numel()
+                for m in pl_module.modules()
+                if isinstance(m, NORM_LAYERS)
+                for p in m.parameters(recurse=False)
+            ),
             "weights": _nbytes(params, counted),
             "masters": _nbytes(masters, counted),
             "master_grads": _nbytes((m.grad for m in masters), counted),
@@ -225,13 +235,16 @@ def _nbytes(tensors: Any, counted: set[Any]) -> int:
 def _is_weight_cast(t: Tensor) -> bool:
     """Whether ``t`` is (a view of) a dtype cast of a leaf that requires grad: autocast's per-op copy of a weight."""
     fn = (t._base if t._is_view() else t).grad_fn  # linear saves the transposed view of the cast weight
-    return fn is not None and fn.name() == "ToCopyBackward0" and any(
-        type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None
+    return (
+        fn is not None
+        and fn.name() == "ToCopyBackward0"
+        and any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None)
     )
 
 
-def build(model: str, width: int, depth: int, heads: int, n: int, fsdp: bool = False
-          ) -> tuple[L.LightningModule, Dataset]:
+def build(
+    model: str, width: int, depth: int, heads: int, n: int, fsdp: bool = False
+) -> tuple[L.LightningModule, Dataset]:
     """One of the other examples' models, at the given size, with ``n`` samples of its data. ``fsdp``: a subclass
     whose ``configure_model`` shards it with FSDP2 (:func:`shard`)."""
     if model == "bert":
@@ -283,9 +296,16 @@ def measure(precision: str, args: Any, version: Optional[int] = None) -> dict[st
     if fsdp:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        distributed = dict(devices=args.devices, strategy=ModelParallelStrategy(args.devices, 1))
-    trainer = make_trainer(args, "memory_breakdown", run=precision, version=version, callbacks=[probe],
-                           **distributed, **precision_setup(precision, args.accelerator))
+        distributed = {"devices": args.devices, "strategy": ModelParallelStrategy(args.devices, 1)}
+    trainer = make_trainer(
+        args,
+        "memory_breakdown",
+        run=precision,
+        version=version,
+        callbacks=[probe],
+        **distributed,
+        **precision_setup(precision, args.accelerator),
+    )
     trainer.fit(model, DataLoader(data, batch_size=args.batch_size))
     per_param = {k: v / probe.result["params"] for k, v in probe.result.items() if k not in ("params", "norm_params")}
     trainer.logger.log_metrics({f"memory/{k}": v for k, v in per_param.items()}, step=0)
@@ -296,8 +316,10 @@ def format_table(results: dict[str, dict[str, int]]) -> str:
     """A markdown table: bytes per parameter of each kind, MiB saved for the backward per step and, on CUDA, the
     step's peak allocated MiB."""
     peak = all("peak_allocated" in r for r in results.values())
-    head = ("| precision | weights | masters | grads | master grads | optimizer state | total B/param "
-            "| activations MiB | weight copies MiB |" + (" peak MiB |" if peak else ""))
+    head = (
+        "| precision | weights | masters | grads | master grads | optimizer state | total B/param "
+        "| activations MiB | weight copies MiB |" + (" peak MiB |" if peak else "")
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in results.items():
         n = r["params"]
@@ -311,8 +333,10 @@ def format_table(results: dict[str, dict[str, int]]) -> str:
 def format_fsdp_table(results: dict[str, dict[str, int]]) -> str:
     """A markdown table for FSDP2, per rank: bytes per parameter of the model held at the optimizer step, the half
     compute copy at the step and at its peak in the forward, and the bytes sent per step through the collectives."""
-    head = ("| precision | fp32 shards (masters) | grad shards | optimizer state | total at the step B/param "
-            "| half copy at the step | half copy, forward peak | all-gather B/step | reduce-scatter B/step |")
+    head = (
+        "| precision | fp32 shards (masters) | grad shards | optimizer state | total at the step B/param "
+        "| half copy at the step | half copy, forward peak | all-gather B/step | reduce-scatter B/step |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in results.items():
         n = r["params"]
@@ -331,13 +355,22 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, int]]:
     p.add_argument("--depth", type=int, default=2, help="layers (bert, vit) or blocks per stage (resnet)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (bert, vit)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=None,
-                   help=f"default: all ({', '.join(FSDP_PRECISIONS)} with --strategy fsdp)")
-    p.add_argument("--strategy", choices=["single", "fsdp"], default="single",
-                   help="fsdp: FSDP2 through ModelParallelStrategy on --devices processes (per-rank numbers)")
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=PRECISIONS,
+        default=None,
+        help=f"default: all ({', '.join(FSDP_PRECISIONS)} with --strategy fsdp)",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=["single", "fsdp"],
+        default="single",
+        help="fsdp: FSDP2 through ModelParallelStrategy on --devices processes (per-rank numbers)",
+    )
     p.add_argument("--devices", type=int, default=2, help="processes (or GPUs) for --strategy fsdp")
     p.add_argument("--json", default=None, help="also write the byte counts to this file (per rank under fsdp)")
-    args = parse_args(p, argv, fast=dict(width=32, depth=1, heads=2, batch_size=8))
+    args = parse_args(p, argv, fast={"width": 32, "depth": 1, "heads": 2, "batch_size": 8})
     fsdp = args.strategy == "fsdp"
     if fsdp and args.model == "resnet":
         p.error("--strategy fsdp shards transformer layers: use --model bert or vit")
@@ -356,8 +389,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, int]]:
     if rank == 0:
         where = f", FSDP2 on {args.devices} processes, per rank" if fsdp else ""
         table = format_fsdp_table(results) if fsdp else format_table(results)
-        print(f"memory_breakdown: {args.model}, {n['params']} parameters ({n['norm_params']} in norm layers), "
-              f"batch {args.batch_size}{where}\n{table}")
+        print(
+            f"memory_breakdown: {args.model}, {n['params']} parameters ({n['norm_params']} in norm layers), "
+            f"batch {args.batch_size}{where}\n{table}"
+        )
     return results
 
 

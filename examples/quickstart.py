@@ -24,8 +24,12 @@ class Classifier(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
-            nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.GELU(),
-            nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.GELU(),
+            nn.Linear(d_in, hidden),
+            nn.LayerNorm(hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.LayerNorm(hidden),
+            nn.GELU(),
             nn.Linear(hidden, classes),
         )
 

@@ -23,13 +23,20 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from example_utils import (
+    Classifier,
+    decay_groups,
+    diagnostics,
+    example_parser,
+    fit,
+    make_trainer,
+    parse_args,
+    print_summary,
+    synthetic_images,
+)
 from torch import nn
 from torch.utils.data import DataLoader
 
-from example_utils import (
-    Classifier, decay_groups, diagnostics, example_parser, fit, make_trainer, parse_args, print_summary,
-    synthetic_images,
-)
 from lightning_mpt import MPTPrecision
 
 
@@ -39,8 +46,11 @@ class BasicBlock(nn.Module):
     def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True),
-            nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out),
+            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(c_out),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(c_out),
         )
         self.shortcut = nn.Identity()
         if stride != 1 or c_in != c_out:
@@ -95,15 +105,19 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--noise", type=float, default=3.0, help="std of the pixel noise (templates have std 1)")
-    args = parse_args(p, argv, fast=dict(steps=30, width=8, classes=4, image_size=12, noise=2.0))
+    args = parse_args(p, argv, fast={"steps": 30, "width": 8, "classes": 4, "image_size": 12, "noise": 2.0})
 
     L.seed_everything(0, verbose=False)
-    train = DataLoader(synthetic_images(args.batch_size * args.steps, args.classes, args.image_size, 0, args.noise),
-                       batch_size=args.batch_size, shuffle=True)
+    train = DataLoader(
+        synthetic_images(args.batch_size * args.steps, args.classes, args.image_size, 0, args.noise),
+        batch_size=args.batch_size,
+        shuffle=True,
+    )
     val = DataLoader(synthetic_images(512, args.classes, args.image_size, 1, args.noise), batch_size=256)
     plugin = MPTPrecision(args.precision)
-    trainer = make_trainer(args, "resnet_synthetic", plugins=[plugin], callbacks=diagnostics(args.steps),
-                           val_check_interval=args.steps)
+    trainer = make_trainer(
+        args, "resnet_synthetic", plugins=[plugin], callbacks=diagnostics(args.steps), val_check_interval=args.steps
+    )
     model = ResNet(args.classes, args.width, args.blocks, lr=args.lr)
     summary = fit(trainer, model, train, val)
     print_summary("resnet_synthetic", summary)

@@ -48,12 +48,19 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from example_utils import (
+    diagnostics,
+    example_parser,
+    fit,
+    make_trainer,
+    next_version,
+    parse_args,
+    print_summary,
+    synthetic_images,
+)
 from torch import nn
 from torch.utils.data import DataLoader
 
-from example_utils import (
-    diagnostics, example_parser, fit, make_trainer, next_version, parse_args, print_summary, synthetic_images,
-)
 from lightning_mpt import DynamicLossScaler, MPTPrecision
 
 NAME = "vit_static_vs_dynamic"
@@ -84,8 +91,9 @@ class ViT(L.LightningModule):
         self.patch_embed = nn.Conv2d(3, dim, patch, stride=patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.positions = nn.Parameter(0.02 * torch.randn(1, (image_size // patch) ** 2 + 1, dim))
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, activation="gelu", batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)
@@ -108,10 +116,14 @@ class ViT(L.LightningModule):
 def train(args: Any, name: str, plugin: MPTPrecision, version: int) -> dict[str, Any]:
     """One run; returns its summary (skipped steps, scale history, per-example losses at the start and end)."""
     L.seed_everything(0, verbose=False)
-    data = DataLoader(synthetic_images(args.batch_size * args.steps, args.classes, args.image_size, 0, args.noise),
-                      batch_size=args.batch_size, shuffle=True)
-    trainer = make_trainer(args, NAME, run=name, version=version, plugins=[plugin], callbacks=diagnostics(args.steps),
-                           log_every_n_steps=1)
+    data = DataLoader(
+        synthetic_images(args.batch_size * args.steps, args.classes, args.image_size, 0, args.noise),
+        batch_size=args.batch_size,
+        shuffle=True,
+    )
+    trainer = make_trainer(
+        args, NAME, run=name, version=version, plugins=[plugin], callbacks=diagnostics(args.steps), log_every_n_steps=1
+    )
     model = ViT(args.image_size, args.patch, args.dim, args.depth, args.heads, args.classes, args.lr, args.reduction)
     summary = fit(trainer, model, data)
     scales = [r.scale for r in plugin.history]
@@ -147,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--noise", type=float, default=1.0, help="std of the pixel noise (templates have std 1)")
-    args = parse_args(p, argv, fast=dict(steps=40, depth=1, heads=2, classes=4, image_size=8, patch=4))
+    args = parse_args(p, argv, fast={"steps": 40, "depth": 1, "heads": 2, "classes": 4, "image_size": 8, "patch": 4})
 
     runs = {
         "static_1024" if args.static_scale == 1024 else f"static_{args.static_scale:g}": MPTPrecision(

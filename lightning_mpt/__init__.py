@@ -27,6 +27,6 @@ _EXPORTS = {
     "NonFiniteGradientError": "lightning_mpt.precision",
     "StepRecord": "lightning_mpt.precision",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["DynamicLossScaler", "MPTPrecision", "NonFiniteGradientError", "StepRecord"]
 __version__ = "0.1.0"
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -16,7 +16,12 @@ LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's name
 
 
 def check_arguments(
-    precision: Any, scaler: Any, master_weights: Any, keep_fp32: Any, max_consecutive_skips: Any, accumulate_fp32: Any = False
+    precision: Any,
+    scaler: Any,
+    master_weights: Any,
+    keep_fp32: Any,
+    max_consecutive_skips: Any,
+    accumulate_fp32: Any = False,
 ) -> tuple[torch.dtype, Optional[DynamicLossScaler], tuple[type[Module], ...]]:
     """Validate the plugins' arguments; return the half dtype, the scaler (``None``: no scaling) and ``keep_fp32``."""
     if precision not in DTYPES:
@@ -43,14 +48,17 @@ def check_arguments(
             "e.g. keep_fp32=(torch.nn.LayerNorm, torch.nn.BatchNorm2d)."
         )
     if not (
-        isinstance(max_consecutive_skips, int) and not isinstance(max_consecutive_skips, bool) and max_consecutive_skips >= 1
+        isinstance(max_consecutive_skips, int)
+        and not isinstance(max_consecutive_skips, bool)
+        and max_consecutive_skips >= 1
     ):
         raise ValueError(f"MPTPrecision(max_consecutive_skips={max_consecutive_skips!r}): expected an int >= 1.")
     if not isinstance(accumulate_fp32, bool):
         raise TypeError(f"MPTPrecision(accumulate_fp32={accumulate_fp32!r}): expected a bool (True or False).")
     if accumulate_fp32 and not (master_weights and GRAD_DTYPE):
         raise ValueError(
-            "MPTPrecision(accumulate_fp32=True) needs master_weights=True and torch >= 2.13 (a half-precision parameter "
+            "MPTPrecision(accumulate_fp32=True) needs master_weights=True and torch >= 2.13 (a half-precision "
+            "parameter "
             f"holding an fp32 gradient, Tensor.grad_dtype); this is torch {torch.__version__}."
         )
     return DTYPES[precision], scaler, tuple(keep_fp32)

@@ -11,10 +11,9 @@ from collections.abc import Iterable, Iterator
 from typing import Optional
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
-
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_mpt.engine import MixedPrecisionEngine
 from lightning_mpt.policy import StepRecord
@@ -123,7 +122,6 @@ class EngineAttributes:
         """The fp32 tensors that ``optimizer`` steps: masters of half parameters, fp32 parameters themselves."""
         return self._engine.masters.main_params(_params_of(optimizer))
 
-
     def _report_edits(self, names: list[str]) -> None:
         """Say once per parameter that in-place edits of its half weights were adopted by its master."""
         new = [n for n in names if n not in self._reported_edits]
@@ -132,7 +130,8 @@ class EngineAttributes:
             rank_zero_info(
                 f"MPTPrecision: the half-precision weights of {', '.join(new)} were edited in place outside the "
                 "optimizer step (a clamp, a renormalisation, a weight average); the edits were copied into the fp32 "
-                f"masters, rounded to the half format. To edit at full precision, edit `{self._access}.master_of(param)` "
+                "masters, rounded to the half format. To edit at full precision, edit "
+                f"`{self._access}.master_of(param)` "
                 "instead."
             )
 

@@ -61,7 +61,11 @@ class PendingStep:
 
 
 def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
 
 
 class Masters(Protocol):
@@ -181,7 +185,9 @@ class MixedPrecisionEngine:
         self._pending[optimizer] = pending
         return pending
 
-    def finish(self, optimizer: Optimizer, pending: PendingStep, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+    def finish(
+        self, optimizer: Optimizer, pending: PendingStep, closure: Optional[Callable[[], Any]] = None, **kwargs: Any
+    ) -> Any:
         """Carry out a decided step: the optimizer steps the masters (``closure`` is handed to it), or, for a skip,
         is not called at all. Returns what ``optimizer.step`` returned (``None`` for a skip)."""
         self._pending.pop(optimizer, None)

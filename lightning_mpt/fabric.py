@@ -34,7 +34,8 @@ Example:
         optimizer.step()
         optimizer.zero_grad()
     plugin = fabric.strategy.precision
-    assert model.module[0].weight.dtype == torch.bfloat16 and plugin.master_of(model.module[0].weight).dtype == torch.float32
+    weight = model.module[0].weight
+    assert weight.dtype == torch.bfloat16 and plugin.master_of(weight).dtype == torch.float32
     assert len(plugin.history) == 3 and plugin.skipped_steps == 0
     plugin.restore()  # done: the module is fp32 again and holds the masters
     assert model.module[0].weight.dtype == torch.float32
@@ -102,7 +103,8 @@ class MPTPrecision(EngineAttributes, Precision):
         from lightning_mpt import DynamicLossScaler
         from lightning_mpt.fabric import MPTPrecision
 
-        fabric = L.Fabric(accelerator="cpu", plugins=[MPTPrecision("fp16", scaler=DynamicLossScaler(growth_interval=1000))])
+        plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(growth_interval=1000))
+        fabric = L.Fabric(accelerator="cpu", plugins=[plugin])
         assert fabric.strategy.precision.loss_scale == 2.0**16
         ```
     """
@@ -144,7 +146,8 @@ class MPTPrecision(EngineAttributes, Precision):
         if self._module is not None:
             raise ValueError(
                 f"MPTPrecision holds the fp32 masters of one module and already converted a "
-                f"{type(self._module).__name__}; `fabric.setup` was called with a second one ({type(module).__name__}). "
+                f"{type(self._module).__name__}; `fabric.setup` was called with a second one "
+                f"({type(module).__name__}). "
                 "Set the models up as one module (for example an nn.ModuleDict with both) or call "
                 "`fabric.strategy.precision.restore()` when done with the first."
             )
@@ -302,7 +305,9 @@ class MPTPrecision(EngineAttributes, Precision):
             flat = torch.cat([m.detach().reshape(-1) for m in group])
             dist.broadcast(flat, src=0)
             with torch.no_grad():
-                _compat.foreach_copy_(group, [t.view_as(m) for t, m in zip(flat.split([m.numel() for m in group]), group)])
+                _compat.foreach_copy_(
+                    group, [t.view_as(m) for t, m in zip(flat.split([m.numel() for m in group]), group)]
+                )
         self._synced = True
 
     def _checked(self, optimizer: Any) -> Optimizer:
@@ -316,7 +321,8 @@ class MPTPrecision(EngineAttributes, Precision):
             return
         if not isinstance(optimizer, Optimizer):
             raise ValueError(
-                f"MPTPrecision steps torch optimizers; the strategy handed it a {type(optimizer).__name__}. {_SUPPORTED}"
+                f"MPTPrecision steps torch optimizers; the strategy handed it a {type(optimizer).__name__}. "
+                f"{_SUPPORTED}"
             )
         self._warn_if_state_was_rounded(optimizer)
         self._engine.adopt(optimizer)
@@ -339,7 +345,8 @@ class MPTPrecision(EngineAttributes, Precision):
             shown = ", ".join(rounded[:5]) + (f" and {len(rounded) - 5} more" if len(rounded) > 5 else "")
             rank_zero_warn(
                 f"MPTPrecision: the state of {type(optimizer).__name__} for {shown} is in {self._dtype}: it was loaded "
-                "(fabric.load) before the plugin knew the optimizer, and torch cast it to the half-precision parameters' "
+                "(fabric.load) before the plugin knew the optimizer, and torch cast it to the half-precision "
+                "parameters' "
                 "dtype, so the run does not resume exactly. Call `fabric.strategy.precision.adopt(optimizer)` after "
                 "`fabric.setup` and before `fabric.load`."
             )
@@ -348,6 +355,8 @@ class MPTPrecision(EngineAttributes, Precision):
 def _unwrap(optimizer: Any) -> Any:
     """The torch optimizer behind Fabric's wrapper (what ``fabric.setup`` returns); Fabric hands the plugin the raw
     one, users may hand it either. The wrapper is a class made on the fly in ``lightning.fabric.wrappers``."""
-    if type(optimizer).__module__ == "lightning.fabric.wrappers" and isinstance(getattr(optimizer, "optimizer", None), Optimizer):
+    if type(optimizer).__module__ == "lightning.fabric.wrappers" and isinstance(
+        getattr(optimizer, "optimizer", None), Optimizer
+    ):
         return optimizer.optimizer
     return optimizer

@@ -40,11 +40,16 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt.numerics import max_abs
 from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES, PreparedGrads
+from lightning_mpt.numerics import max_abs
 
 __all__ = [
-    "CollectiveBytes", "ShardedGrads", "ShardedMasters", "check_sharding", "is_sharded", "mixed_precision_policy"
+    "CollectiveBytes",
+    "ShardedGrads",
+    "ShardedMasters",
+    "check_sharding",
+    "is_sharded",
+    "mixed_precision_policy",
 ]
 
 _HOW = (
@@ -376,8 +381,12 @@ class CollectiveBytes(_compat.dispatch_mode()):  # type: ignore[misc]
         ```
     """
 
-    KINDS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
-             "broadcast": "broadcast"}
+    KINDS = {
+        "allgather": "all_gather",
+        "reduce_scatter": "reduce_scatter",
+        "allreduce": "all_reduce",
+        "broadcast": "broadcast",
+    }
 
     def __init__(self) -> None:
         super().__init__()

@@ -337,7 +337,9 @@ class MasterWeights:
             _compat.foreach_copy_([f for f, _ in copy], [g for _, g in copy])
         flags = torch.zeros(0, dtype=torch.bool, device=params[0].device)
         if check_edits:
-            scratch = [g if g.dtype == p.dtype and g.is_contiguous() else torch.empty_like(p) for g, p in zip(halves, params)]
+            scratch = [
+                g if g.dtype == p.dtype and g.is_contiguous() else torch.empty_like(p) for g, p in zip(halves, params)
+            ]
             flags = _edited(params, masters, scratch)
         shown = fp32 if _compat.GRAD_DTYPE else halves
         for p, m, f, g in zip(params, masters, fp32, shown):

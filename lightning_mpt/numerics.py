@@ -263,9 +263,7 @@ def flush_counts(grads: Sequence[Optional[Tensor]], scale: float, fmt: FloatForm
     return torch.stack(rows)
 
 
-def update_underflow_counts(
-    old: Sequence[Tensor], new: Sequence[Tensor], fmt: FloatFormat
-) -> Tensor:
+def update_underflow_counts(old: Sequence[Tensor], new: Sequence[Tensor], fmt: FloatFormat) -> Tensor:
     """Per fp32 master tensor, ``(changed, lost)``: elements the optimizer step changed (``new != old``), and those
     whose change a weight in ``fmt`` would not see (``cast(new) == cast(old)``). Shape ``(P, 2)``, int64, no sync.
     """

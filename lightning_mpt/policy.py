@@ -114,7 +114,8 @@ class StepPolicy:
         """The step's one host sync: ``(skip, loss_finite, extra)``.
 
         ``skip``: whether a gradient was non-finite on any rank (all-reduced, so every rank takes the same decision).
-        ``loss_finite``: whether every loss scaled since the last sync was finite, on every rank. ``extra``: device values of the caller's, read in the same sync (not
+        ``loss_finite``: whether every loss scaled since the last sync was finite, on every rank. ``extra``: device
+        values of the caller's, read in the same sync (not
         reduced across ranks). Nothing is recorded until :meth:`record`, so a decision that is dropped (new gradients
         arrived before the step) leaves no trace.
         """
@@ -123,12 +124,10 @@ class StepPolicy:
             return False, True, []
         device = next(t.device for t in (found_inf, loss_finite, extra) if t is not None)
         zero = torch.zeros((), device=device)
-        flags = torch.stack(
-            [
-                zero if found_inf is None else (found_inf.to(device) > 0).float(),
-                zero if loss_finite is None else (~loss_finite).float().to(device),
-            ]
-        )
+        flags = torch.stack([
+            zero if found_inf is None else (found_inf.to(device) > 0).float(),
+            zero if loss_finite is None else (~loss_finite).float().to(device),
+        ])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if extra is not None:
@@ -136,7 +135,9 @@ class StepPolicy:
         values = flags.tolist()  # the one host sync
         return values[0] > 0, values[1] == 0, values[2:]
 
-    def record(self, skipped: bool, loss_finite: bool = True, optimizer: int = 0, scale: Optional[float] = None) -> StepRecord:
+    def record(
+        self, skipped: bool, loss_finite: bool = True, optimizer: int = 0, scale: Optional[float] = None
+    ) -> StepRecord:
         """Record a step as carried out. On a skip the scaler backs off and the optimizer's count of skips in a row
         grows; the caller then names the culprits (:meth:`StepRecord.blame`) and calls :meth:`check_guard`."""
         record = StepRecord(

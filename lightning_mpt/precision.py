@@ -13,21 +13,20 @@ from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Literal, Union
 
-import torch
-from torch import Tensor
-from torch.nn import Module
-from torch.optim import LBFGS, Optimizer
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt._attributes import EngineAttributes
 from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
+from lightning_mpt._attributes import EngineAttributes
 from lightning_mpt.engine import Masters, MixedPrecisionEngine
 from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strategy"]
-
 
 
 class MPTPrecision(EngineAttributes, Precision):
@@ -104,7 +102,7 @@ class MPTPrecision(EngineAttributes, Precision):
     _access = "trainer.precision_plugin"
 
     @property
-    def mp_policy(self) -> "MixedPrecisionPolicy":
+    def mp_policy(self) -> MixedPrecisionPolicy:
         """FSDP2's mixed-precision policy for this plugin: pass it to ``fully_shard`` in ``configure_model`` under
         Lightning's ``ModelParallelStrategy``.
 
@@ -330,8 +328,15 @@ def _report_half_kept(names: list[str]) -> None:
 def check_strategy(strategy: Any) -> None:
     """Raise a clear error unless ``strategy`` is one that :class:`MPTPrecision` supports: one device, DDP, or
     ``ModelParallelStrategy`` with FSDP2 (``fully_shard``)."""
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-    from lightning.pytorch.strategies import SingleDeviceStrategy, SingleDeviceXLAStrategy, XLAStrategy
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+        SingleDeviceXLAStrategy,
+        XLAStrategy,
+    )
 
     supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
     if not supported or isinstance(strategy, (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)):

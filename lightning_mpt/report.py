@@ -102,8 +102,15 @@ class Stats:
         if not finite:
             return None
         values = [v for _, v in finite]
-        return cls(len(values), min(values), statistics.median(values), statistics.fmean(values), max(values),
-                   values[-1], finite[-1][0])
+        return cls(
+            len(values),
+            min(values),
+            statistics.median(values),
+            statistics.fmean(values),
+            max(values),
+            values[-1],
+            finite[-1][0],
+        )
 
 
 @dataclass(frozen=True)
@@ -222,16 +229,20 @@ def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
     """
     root = Path(logdir)
     if not root.exists():
-        raise ReportError(f"{root}: no such directory; expected a TensorBoard log directory (a TensorBoardLogger's "
-                          "save_dir, or one run's version_N folder).")
+        raise ReportError(
+            f"{root}: no such directory; expected a TensorBoard log directory (a TensorBoardLogger's "
+            "save_dir, or one run's version_N folder)."
+        )
     if not root.is_dir():
         raise ReportError(f"{root}: not a directory; expected a TensorBoard log directory, not a file.")
     mux = EventMultiplexer(size_guidance=_SIZE_GUIDANCE).AddRunsFromDirectory(str(root))
     mux.Reload()
     names = sorted(mux.Runs())
     if not names:
-        raise ReportError(f"{root}: no TensorBoard event files (events.out.tfevents.*) in it or below it; expected the "
-                          "log directory of a run trained with a TensorBoardLogger.")
+        raise ReportError(
+            f"{root}: no TensorBoard event files (events.out.tfevents.*) in it or below it; expected the "
+            "log directory of a run trained with a TensorBoardLogger."
+        )
     runs, ignored = [], []
     for name in names:
         run = _read_run(name, root / name, mux.GetAccumulator(name))
@@ -409,9 +420,11 @@ def build_report(logdir: Union[str, Path]) -> Report:
     """
     data, ignored = load_runs(logdir)
     if not data:
-        raise ReportError(f"{logdir}: no {PREFIX} tags in the event files of {', '.join(ignored)}; expected a run trained "
-                          "with lightning_mpt's callbacks (LossScaleMonitor, UnderflowMonitor, "
-                          "GradientHistogramMonitor) and a TensorBoardLogger.")
+        raise ReportError(
+            f"{logdir}: no {PREFIX} tags in the event files of {', '.join(ignored)}; expected a run trained "
+            "with lightning_mpt's callbacks (LossScaleMonitor, UnderflowMonitor, "
+            "GradientHistogramMonitor) and a TensorBoardLogger."
+        )
     return Report(str(logdir), [summarize(r) for r in data], data, ignored)
 
 
@@ -451,22 +464,33 @@ def format_text(report: Report, top: int = 5) -> str:
         lines += ["", f"{name}:"]
         if r.stopped is not None:
             first = str(r.stopped.get("message") or "").strip().splitlines()[:1]
-            lines.append(f"  stopped at step {r.stopped.get('step')} by {r.stopped.get('error')}"
-                         + (f": {first[0]}" if first else ""))
-        lines += _listing("parameters most often non-finite (skipped steps)",
-                          [f"{n}: {c}" for n, c in r.nonfinite_params.items()], top)
+            lines.append(
+                f"  stopped at step {r.stopped.get('step')} by {r.stopped.get('error')}"
+                + (f": {first[0]}" if first else "")
+            )
+        lines += _listing(
+            "parameters most often non-finite (skipped steps)",
+            [f"{n}: {c}" for n, c in r.nonfinite_params.items()],
+            top,
+        )
         if not r.nonfinite_names_complete:
             lines.append("    (some skipped steps have no record of their names: counts are lower bounds)")
         if r.underflow_tag is None:
             lines.append("  worst underflow by layer: not logged (UnderflowMonitor with per_parameter=True)")
         else:
             what = UNDERFLOW_TAGS[r.underflow_tag]
-            lines += _listing(f"worst underflow by layer ({what}, mean/max over logged steps)",
-                              [f"{x.name}: {_mean_max(x.stats)}" for x in r.worst_underflow if x.stats.max > 0], top,
-                              "none above 0%")
-        lines += _listing("update underflow by layer (mean/last)",
-                          [f"{x.name}: {_mean_last(x.stats)}" for x in r.worst_update_underflow if x.stats.max > 0],
-                          top, "none above 0%")
+            lines += _listing(
+                f"worst underflow by layer ({what}, mean/max over logged steps)",
+                [f"{x.name}: {_mean_max(x.stats)}" for x in r.worst_underflow if x.stats.max > 0],
+                top,
+                "none above 0%",
+            )
+        lines += _listing(
+            "update underflow by layer (mean/last)",
+            [f"{x.name}: {_mean_last(x.stats)}" for x in r.worst_update_underflow if x.stats.max > 0],
+            top,
+            "none above 0%",
+        )
     if report.ignored:
         lines += ["", f"no {PREFIX} tags, not reported: {', '.join(report.ignored)}"]
     return "\n".join(lines)

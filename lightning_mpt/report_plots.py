@@ -72,8 +72,14 @@ def plot_scale(runs: Sequence[RunData], path: Union[str, Path]) -> Path:
         skipped = [s for s, v in run.series(tags.OVERFLOW) if v > 0 and s in scale_at]
         label = f"{run.name} ({len(skipped)} skipped)" if len(runs) > 1 else f"loss scale ({len(skipped)} skipped)"
         ax.step([s for s, _ in series], [v for _, v in series], where="post", color=color, label=label)
-        ax.scatter(skipped, [scale_at[s] for s in skipped], marker="x", color=color if len(runs) > 1 else "C3",
-                   zorder=3, label=None if len(runs) > 1 else "skipped step (overflow)")
+        ax.scatter(
+            skipped,
+            [scale_at[s] for s in skipped],
+            marker="x",
+            color=color if len(runs) > 1 else "C3",
+            zorder=3,
+            label=None if len(runs) > 1 else "skipped step (overflow)",
+        )
     ax.set_yscale("log", base=2)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"$2^{{{math.log2(v):g}}}$" if v > 0 else ""))
     ax.set_xlabel("optimizer step")
@@ -89,7 +95,8 @@ def plot_underflow_heatmap(run: RunData, summary: RunSummary, path: Union[str, P
     import numpy as np
 
     tag = summary.underflow_tag
-    assert tag is not None, "no per-parameter underflow tags in this run"
+    if tag is None:
+        raise ValueError(f"plot_underflow_heatmap: the run in {run.path} has no per-parameter underflow tags to plot.")
     per_param = run.per_parameter(tag)
     names = [r.name for r in summary.worst_underflow][:MAX_HEATMAP_ROWS]
     steps = sorted({s for n in names for s, _ in per_param[n]})
@@ -103,8 +110,9 @@ def plot_underflow_heatmap(run: RunData, summary: RunSummary, path: Union[str, P
     half = np.diff(x).min() / 2 if len(x) > 1 else 0.5
     edges = np.concatenate([[x[0] - half], (x[1:] + x[:-1]) / 2, [x[-1] + half]])
     top = np.nanmax(grid) if np.isfinite(grid).any() else 0.0
-    mesh = ax.pcolormesh(edges, np.arange(len(names) + 1), np.ma.masked_invalid(grid), cmap="magma_r",
-                         vmin=0.0, vmax=max(top, 1e-3))
+    mesh = ax.pcolormesh(
+        edges, np.arange(len(names) + 1), np.ma.masked_invalid(grid), cmap="magma_r", vmin=0.0, vmax=max(top, 1e-3)
+    )
     fig.colorbar(mesh, ax=ax, label=f"{UNDERFLOW_TAGS[tag]} (%)")
     ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize="small")
     ax.invert_yaxis()  # worst on top
@@ -130,12 +138,16 @@ def plot_exponents(hist: ExponentHistogram, path: Union[str, Path], scale: Optio
     ax.axvspan(lo - 0.5, normal - 0.5, color="C1", alpha=0.15, lw=0, label=f"subnormal (2^{lo} .. 2^{normal})")
     ax.axvspan(hi + 0.5, hi + 2, color="C3", alpha=0.15, lw=0)  # above the max: overflows to inf
     # labels outside the subnormal band, so that they do not overlap where the band is narrow (bf16)
-    marks = ((lo - 0.5, f"min subnormal 2^{lo}", "right"), (normal - 0.5, f"min normal 2^{normal}", "left"),
-             (hi + 0.5, f"max {fmt.max:.5g}", "right"))
+    marks = (
+        (lo - 0.5, f"min subnormal 2^{lo}", "right"),
+        (normal - 0.5, f"min normal 2^{normal}", "left"),
+        (hi + 0.5, f"max {fmt.max:.5g}", "right"),
+    )
     for x, text, side in marks:
         ax.axvline(x, color="k", ls="--", lw=0.8)
-        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha=side,
-                    fontsize="x-small")
+        ax.annotate(
+            text, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha=side, fontsize="x-small"
+        )
     every = 4 if fmt.name == "fp16" else 32
     # exponent ticks, minus those that would collide with the "0" and "inf/NaN" labels at the ends
     ticks = [t for t in range(lo, hi + 1) if t % every == 0 and lo - 3 + every / 2 <= t <= hi + 3 - every / 2]

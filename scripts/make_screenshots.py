@@ -47,8 +47,10 @@ def tensorboard_executable() -> str:
     local = Path(sys.executable).parent / "tensorboard"
     found = str(local) if local.exists() else shutil.which("tensorboard")
     if found is None:
-        raise FileNotFoundError("no `tensorboard` executable next to the Python interpreter or on PATH; it is a "
-                                "dependency of lightning-mpt: pip install tensorboard")
+        raise FileNotFoundError(
+            "no `tensorboard` executable next to the Python interpreter or on PATH; it is a "
+            "dependency of lightning-mpt: pip install tensorboard"
+        )
     return found
 
 
@@ -61,7 +63,10 @@ def serve_tensorboard(logdir: Path, timeout: float = 60.0) -> Iterator[str]:
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
             [tensorboard_executable(), "--logdir", logdir.name, "--host", "127.0.0.1", "--port", "0"],
-            cwd=logdir.parent, stdout=log, stderr=subprocess.STDOUT, text=True,
+            cwd=logdir.parent,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,  # its own process group: _stop ends it and its data server together
         )
         try:
@@ -95,7 +100,9 @@ def _stop(proc: subprocess.Popen) -> None:
 def get_json(url: str, path: str, **query: str) -> Any:
     """GET ``url + path?query`` and decode its JSON."""
     full = url.rstrip("/") + path + ("?" + urllib.parse.urlencode(query) if query else "")
-    with urllib.request.urlopen(full, timeout=10) as response:
+    if not full.startswith("http://"):
+        raise ValueError(f"get_json: expected the local TensorBoard's http:// address, got {full!r}")
+    with urllib.request.urlopen(full, timeout=10) as response:  # noqa: S310  (the scheme is checked above)
         return json.load(response)
 
 
@@ -142,11 +149,21 @@ def train(logdir: Path, steps: int) -> None:
     for name, (scaler, extra) in configs.items():
         L.seed_everything(0, verbose=False)
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=steps, plugins=[MPTPrecision("fp16", scaler=scaler)],
-            callbacks=[*extra, LossScaleMonitor(), GradientHistogramMonitor(every_n_steps=steps // 4),
-                       UnderflowMonitor(every_n_steps=5, reference_every_n_steps=10)],
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            plugins=[MPTPrecision("fp16", scaler=scaler)],
+            callbacks=[
+                *extra,
+                LossScaleMonitor(),
+                GradientHistogramMonitor(every_n_steps=steps // 4),
+                UnderflowMonitor(every_n_steps=5, reference_every_n_steps=10),
+            ],
             logger=L.pytorch.loggers.TensorBoardLogger(str(logdir), name=name, version=""),
-            log_every_n_steps=5, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+            log_every_n_steps=5,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
             limit_val_batches=0,
         )
         trainer.fit(WeightedLoss(), DataLoader(synthetic(32 * steps, 32, 8, 0), batch_size=32, shuffle=True))
@@ -175,15 +192,27 @@ def screenshot(logdir: Path, path: Path, steps: int, chromium: str, size: str, b
 
     with serve_tensorboard(logdir) as url:
         for run in ("dynamic", "unscaled"):
-            wait_for(lambda run=run: get_json(url, "/data/plugin/scalars/scalars", run=run, tag=tags.LOSS_SCALE),
-                     lambda points: len(points) == steps)
+            wait_for(
+                lambda run=run: get_json(url, "/data/plugin/scalars/scalars", run=run, tag=tags.LOSS_SCALE),
+                lambda points: len(points) == steps,
+            )
         with tempfile.TemporaryDirectory() as profile:
             command = [
-                chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={size}",
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--hide-scrollbars",
+                f"--user-data-dir={profile}",
+                f"--window-size={size}",
                 # virtual time runs the page's timers (data fetches, chart animation) before the picture is taken
-                f"--virtual-time-budget={budget_ms}", f"--screenshot={path}",
+                f"--virtual-time-budget={budget_ms}",
+                f"--screenshot={path}",
                 url + "#custom_scalars&_smoothingWeight=0",  # TensorBoard keeps its settings in the URL: raw values
             ]
             subprocess.run(command, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

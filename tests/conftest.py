@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-    yield
+    return
 
 
 # Diagnostics run strict in the tests: an internal error in a monitor raises instead of the one-time warning that

@@ -8,7 +8,6 @@ Per training batch a rank records the loss scale, whether the step was skipped, 
 masters under MPTPrecision) and the bytes its DDP communication hook all-reduced.
 """
 
-
 import argparse
 import hashlib
 import json
@@ -18,15 +17,15 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
-from models import InjectInf, TinyMLP, quiet_trainer, regression_data  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+import lightning as L
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from models import InjectInf, TinyMLP, quiet_trainer, regression_data
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_mpt import MPTPrecision  # noqa: E402
-from lightning_mpt.callbacks import UnderflowMonitor  # noqa: E402
+from lightning_mpt import MPTPrecision
+from lightning_mpt.callbacks import UnderflowMonitor
 
 
 class NoNormMLP(TinyMLP):
@@ -45,7 +44,9 @@ class Record(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         # Lightning registers DDP comm hooks only on CUDA: register ours on the DDP-wrapped model
-        def count_and_allreduce(state: list, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        def count_and_allreduce(
+            state: list, bucket: torch.distributed.GradBucket
+        ) -> torch.futures.Future[torch.Tensor]:
             buf = bucket.buffer()
             state[0] += buf.numel() * buf.element_size()
             return default_hooks.allreduce_hook(None, bucket)
@@ -61,18 +62,20 @@ class Record(L.Callback):
             dtypes = sorted({str(p.dtype) for p in module.parameters()})
         else:
             weights = list(module.parameters())
-            scale, skipped, dtypes = plugin.scaler.get_scale(), None, sorted({str(p.dtype) for p in module.parameters()})
+            scale, skipped, dtypes = (
+                plugin.scaler.get_scale(),
+                None,
+                sorted({str(p.dtype) for p in module.parameters()}),
+            )
         flat = torch.cat([w.detach().float().flatten() for w in weights])
-        self.rows.append(
-            {
-                "step": trainer.global_step,
-                "scale": scale,
-                "skipped": skipped,
-                "weights_sha1": hashlib.sha1(flat.numpy().tobytes()).hexdigest(),
-                "bytes": self.bytes[0],
-                "param_dtypes": dtypes,
-            }
-        )
+        self.rows.append({
+            "step": trainer.global_step,
+            "scale": scale,
+            "skipped": skipped,
+            "weights_sha1": hashlib.sha1(flat.numpy().tobytes(), usedforsecurity=False).hexdigest(),
+            "bytes": self.bytes[0],
+            "param_dtypes": dtypes,
+        })
         self.bytes[0] = 0
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -98,7 +101,11 @@ def main() -> None:
 
     torch.manual_seed(os.getpid() if args.strategy == "ddp" else 0)  # ranks start from different weights on purpose
     extra = {"accumulate_fp32": True} if args.accumulate_fp32 else {}
-    plugin = MPTPrecision(args.precision[4:], **extra) if args.precision.startswith("mpt") else MixedPrecision("16-mixed", "cpu")
+    plugin = (
+        MPTPrecision(args.precision[4:], **extra)
+        if args.precision.startswith("mpt")
+        else MixedPrecision("16-mixed", "cpu")
+    )
     if args.precision == "mpt-fp16":
         plugin = MPTPrecision("fp16", scaler=1024.0 if args.inject_step < 0 else None)
     trainer = quiet_trainer(

@@ -20,17 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+import lightning as L
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_mpt.fabric import MPTPrecision  # noqa: E402
+from lightning_mpt.fabric import MPTPrecision
 
 
 def sha1(tensors: list[torch.Tensor]) -> str:
     flat = torch.cat([t.detach().float().flatten() for t in tensors]) if tensors else torch.zeros(0)
-    return hashlib.sha1(flat.numpy().tobytes()).hexdigest()
+    return hashlib.sha1(flat.numpy().tobytes(), usedforsecurity=False).hexdigest()
 
 
 def main() -> None:
@@ -76,21 +76,19 @@ def main() -> None:
         optimizer.zero_grad()
         record = mpt.last_step
         state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        rows.append(
-            {
-                "step": step,
-                "scale": record.scale,
-                "skipped": record.skipped,
-                "culprits": record.nonfinite_params,
-                "masters_sha1": sha1(mpt.main_params(optimizer)),
-                "weights_sha1": sha1(list(model.parameters())),
-                "state_sha1": sha1(state),
-                "param_dtypes": sorted({str(q.dtype) for q in model.parameters()}),
-                "state_dtypes": sorted({str(v.dtype) for v in state if v.ndim > 0}),
-                "bytes": communicated[0],
-                "loss_scale_after": mpt.loss_scale,
-            }
-        )
+        rows.append({
+            "step": step,
+            "scale": record.scale,
+            "skipped": record.skipped,
+            "culprits": record.nonfinite_params,
+            "masters_sha1": sha1(mpt.main_params(optimizer)),
+            "weights_sha1": sha1(list(model.parameters())),
+            "state_sha1": sha1(state),
+            "param_dtypes": sorted({str(q.dtype) for q in model.parameters()}),
+            "state_dtypes": sorted({str(v.dtype) for v in state if v.ndim > 0}),
+            "bytes": communicated[0],
+            "loss_scale_after": mpt.loss_scale,
+        })
         communicated[0] = 0
     path = args.out / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")

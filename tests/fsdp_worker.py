@@ -32,17 +32,17 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
-from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-from models import quiet_trainer, regression_data, token_data  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from models import quiet_trainer, regression_data, token_data
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-from lightning_mpt import DynamicLossScaler, MPTPrecision  # noqa: E402
+from lightning_mpt import DynamicLossScaler, MPTPrecision
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def sha(tensors: list[torch.Tensor]) -> str:
     flat = [local(t).detach().float().flatten() for t in tensors if t is not None]
-    return hashlib.sha1(torch.cat(flat).numpy().tobytes() if flat else b"").hexdigest()
+    return hashlib.sha1(torch.cat(flat).numpy().tobytes() if flat else b"", usedforsecurity=False).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -109,7 +109,12 @@ class Net(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.transformer = nn.Transformer(
-            d_model=d_model, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64, dropout=0.0,
+            d_model=d_model,
+            nhead=2,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=64,
+            dropout=0.0,
             batch_first=True,
         )
         self.out = nn.Linear(d_model, vocab)
@@ -218,9 +223,15 @@ class Record(L.Callback):
         row: dict[str, Any] = {"step": trainer.global_step, "loss": module.losses[-1], "batch": self.batch}
         if isinstance(plugin, MPTPrecision):
             last = plugin.last_step
-            row.update(scale=last.scale, skipped=last.skipped, skipped_steps=plugin.skipped_steps,
-                       culprits=last.nonfinite_params, loss_scale=plugin.loss_scale,
-                       last_step_skipped=plugin.last_step_skipped, history=len(plugin.history))
+            row.update(
+                scale=last.scale,
+                skipped=last.skipped,
+                skipped_steps=plugin.skipped_steps,
+                culprits=last.nonfinite_params,
+                loss_scale=plugin.loss_scale,
+                last_step_skipped=plugin.last_step_skipped,
+                history=len(plugin.history),
+            )
             masters = plugin.main_params(opt)
         else:
             scaler = getattr(plugin, "scaler", None)
@@ -264,12 +275,27 @@ def fsdp() -> ModelParallelStrategy:
     return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
 
 
-def run(out: Path, name: str, model: Sharded, strategy: Any, plugin: Any, data: Any, steps: int = 12,
-        callbacks: tuple = (), ckpt_path: Optional[str] = None, **kwargs: Any) -> L.Trainer:
+def run(
+    out: Path,
+    name: str,
+    model: Sharded,
+    strategy: Any,
+    plugin: Any,
+    data: Any,
+    steps: int = 12,
+    callbacks: tuple = (),
+    ckpt_path: Optional[str] = None,
+    **kwargs: Any,
+) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     kwargs.setdefault("max_steps", steps)
-    trainer = quiet_trainer(strategy=strategy, devices=2, plugins=[plugin] if plugin else None,
-                            callbacks=[Record(out, name), *callbacks], **kwargs)
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=2,
+        plugins=[plugin] if plugin else None,
+        callbacks=[Record(out, name), *callbacks],
+        **kwargs,
+    )
     trainer.fit(model, data, ckpt_path=ckpt_path)
     return trainer
 
@@ -317,8 +343,16 @@ def compare(out: Path) -> None:
 def inject(out: Path) -> None:
     L.seed_everything(0, verbose=False)
     plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=1024.0, growth_interval=3))
-    run(out, "inject", MLP(), fsdp(), plugin, mlp_data(), steps=8,
-        callbacks=(InjectLocal("model.0.weight", step=3, rank=1),))
+    run(
+        out,
+        "inject",
+        MLP(),
+        fsdp(),
+        plugin,
+        mlp_data(),
+        steps=8,
+        callbacks=(InjectLocal("model.0.weight", step=3, rank=1),),
+    )
 
 
 def guard(out: Path) -> None:
@@ -335,11 +369,23 @@ def guard(out: Path) -> None:
 
 
 def clip(out: Path) -> None:
-    for name, strategy, algorithm in (("clip-fsdp-norm", fsdp(), "norm"), ("clip-ddp-norm", "ddp", "norm"),
-                                      ("clip-fsdp-value", fsdp(), "value")):
+    for name, strategy, algorithm in (
+        ("clip-fsdp-norm", fsdp(), "norm"),
+        ("clip-ddp-norm", "ddp", "norm"),
+        ("clip-fsdp-value", fsdp(), "value"),
+    ):
         L.seed_everything(0, verbose=False)
-        run(out, name, ClipProbe(), strategy, MPTPrecision("fp16"), mlp_data(), steps=6,
-            gradient_clip_val=0.05 if algorithm == "norm" else 0.002, gradient_clip_algorithm=algorithm)
+        run(
+            out,
+            name,
+            ClipProbe(),
+            strategy,
+            MPTPrecision("fp16"),
+            mlp_data(),
+            steps=6,
+            gradient_clip_val=0.05 if algorithm == "norm" else 0.002,
+            gradient_clip_algorithm=algorithm,
+        )
 
 
 def checkpoint(out: Path) -> None:
@@ -359,24 +405,55 @@ def checkpoint(out: Path) -> None:
         saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
         strategy = ModelParallelStrategy(2, 1, save_distributed_checkpoint=distributed)
         L.seed_everything(0, verbose=False)
-        run(out, f"straight-{kind}", MLP(), strategy, plugin(), data, callbacks=(saver, *injects()),
-            enable_checkpointing=True, max_steps=-1, max_epochs=2)
+        run(
+            out,
+            f"straight-{kind}",
+            MLP(),
+            strategy,
+            plugin(),
+            data,
+            callbacks=(saver, *injects()),
+            enable_checkpointing=True,
+            max_steps=-1,
+            max_epochs=2,
+        )
         path = str(ckpt_dir / "epoch=0.ckpt")
         strategy = ModelParallelStrategy(2, 1, save_distributed_checkpoint=distributed)
         L.seed_everything(0, verbose=False)
-        trainer = run(out, f"resumed-{kind}", MLP(), strategy, plugin(), data, callbacks=injects(), ckpt_path=path,
-                      max_steps=-1, max_epochs=2)
+        trainer = run(
+            out,
+            f"resumed-{kind}",
+            MLP(),
+            strategy,
+            plugin(),
+            data,
+            callbacks=injects(),
+            ckpt_path=path,
+            max_steps=-1,
+            max_epochs=2,
+        )
         if kind == "full" and trainer.global_rank == 0:
             saved = torch.load(path, weights_only=False)
-            write(out / "full-file", 0, {
-                "state_dict": {k: [str(v.dtype), list(v.shape)] for k, v in saved["state_dict"].items()},
-                "plugin": {k: v for k, v in saved["MPTPrecision"].items() if k != "scaler"},
-                "scaler": saved["MPTPrecision"]["scaler"],
-            })
+            write(
+                out / "full-file",
+                0,
+                {
+                    "state_dict": {k: [str(v.dtype), list(v.shape)] for k, v in saved["state_dict"].items()},
+                    "plugin": {k: v for k, v in saved["MPTPrecision"].items() if k != "scaler"},
+                    "scaler": saved["MPTPrecision"]["scaler"],
+                },
+            )
         if kind == "sharded" and trainer.global_rank == 0:
             meta = torch.load(Path(path) / "meta.pt", weights_only=False)
-            write(out / "sharded-files", 0, {"files": sorted(os.listdir(path)), "meta": sorted(meta),
-                                             "plugin_steps": meta["MPTPrecision"]["steps"]})
+            write(
+                out / "sharded-files",
+                0,
+                {
+                    "files": sorted(os.listdir(path)),
+                    "meta": sorted(meta),
+                    "plugin_steps": meta["MPTPrecision"]["steps"],
+                },
+            )
 
 
 def crossload(out: Path) -> None:
@@ -393,22 +470,38 @@ def crossload(out: Path) -> None:
     # resumed at step 4 of 4: nothing trains, the loaded weights are the module's
     ddp_model = trainer.strategy.lightning_module_state_dict()
     if trainer.global_rank == 0:
-        write(out / "cross-full-into-ddp-result", 0, {
-            "keys_equal": list(fsdp_model) == list(ddp_model),
-            "equal": all(torch.equal(fsdp_model[k].float(), ddp_model[k].float()) for k in fsdp_model),
-            "dtypes": sorted({str(v.dtype) for v in fsdp_model.values()}),
-        })
+        write(
+            out / "cross-full-into-ddp-result",
+            0,
+            {
+                "keys_equal": list(fsdp_model) == list(ddp_model),
+                "equal": all(torch.equal(fsdp_model[k].float(), ddp_model[k].float()) for k in fsdp_model),
+                "dtypes": sorted({str(v.dtype) for v in fsdp_model.values()}),
+            },
+        )
     ddp_path = trainer.strategy.broadcast(str(out / "ddp.ckpt"))
     trainer.save_checkpoint(ddp_path)
     L.seed_everything(0, verbose=False)
-    trainer = run(out, "cross-ddp-into-fsdp", MLP(), ModelParallelStrategy(2, 1, save_distributed_checkpoint=False),
-                  MPTPrecision("bf16"), mlp_data(), steps=4, ckpt_path=ddp_path)
+    trainer = run(
+        out,
+        "cross-ddp-into-fsdp",
+        MLP(),
+        ModelParallelStrategy(2, 1, save_distributed_checkpoint=False),
+        MPTPrecision("bf16"),
+        mlp_data(),
+        steps=4,
+        ckpt_path=ddp_path,
+    )
     back = trainer.strategy.lightning_module_state_dict()
     if trainer.global_rank == 0:
-        write(out / "cross-ddp-into-fsdp-result", 0, {
-            "equal": all(torch.equal(ddp_model[k].float(), back[k].float()) for k in ddp_model),
-            "keys_equal": list(ddp_model) == list(back),
-        })
+        write(
+            out / "cross-ddp-into-fsdp-result",
+            0,
+            {
+                "equal": all(torch.equal(ddp_model[k].float(), back[k].float()) for k in ddp_model),
+                "keys_equal": list(ddp_model) == list(back),
+            },
+        )
 
 
 def init(out: Path) -> None:
@@ -416,18 +509,23 @@ def init(out: Path) -> None:
     on the meta device under ``trainer.init_module(empty_init=True)`` is materialized, sharded and trained; the
     strategy's sharded state dict has the keys of the plain model and fp32 shards."""
     L.seed_everything(0, verbose=False)
-    trainer = quiet_trainer(strategy=fsdp(), devices=2, max_steps=3, plugins=[MPTPrecision("bf16")],
-                            callbacks=[Record(out, "meta-init")])
+    trainer = quiet_trainer(
+        strategy=fsdp(), devices=2, max_steps=3, plugins=[MPTPrecision("bf16")], callbacks=[Record(out, "meta-init")]
+    )
     with trainer.init_module(empty_init=True):
         model = MLP()
     on_meta = model.model[0].weight.is_meta
     trainer.fit(model, mlp_data())
     state = trainer.strategy.lightning_module_state_dict()
-    write(out / "meta-init-result", trainer.global_rank, {
-        "was_meta": on_meta,
-        "keys_equal": list(state) == list(MLP().state_dict()),
-        "types": sorted({f"{type(v).__name__} {v.dtype}" for v in state.values()}),
-    })
+    write(
+        out / "meta-init-result",
+        trainer.global_rank,
+        {
+            "was_meta": on_meta,
+            "keys_equal": list(state) == list(MLP().state_dict()),
+            "types": sorted({f"{type(v).__name__} {v.dtype}" for v in state.values()}),
+        },
+    )
 
 
 def unsharded(out: Path) -> None:
@@ -439,8 +537,14 @@ def unsharded(out: Path) -> None:
 
 
 SCENARIOS = {
-    "compare": compare, "inject": inject, "guard": guard, "clip": clip, "checkpoint": checkpoint,
-    "crossload": crossload, "init": init, "unsharded": unsharded,
+    "compare": compare,
+    "inject": inject,
+    "guard": guard,
+    "clip": clip,
+    "checkpoint": checkpoint,
+    "crossload": crossload,
+    "init": init,
+    "unsharded": unsharded,
 }
 
 

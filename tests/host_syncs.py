@@ -19,8 +19,21 @@ from typing import Any
 import torch
 
 TENSOR_METHODS = (
-    "__bool__", "__float__", "__int__", "__index__", "__complex__", "item", "tolist", "numpy", "__array__", "cpu",
-    "nonzero", "unique", "bincount", "masked_select", "repeat_interleave",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__complex__",
+    "item",
+    "tolist",
+    "numpy",
+    "__array__",
+    "cpu",
+    "nonzero",
+    "unique",
+    "bincount",
+    "masked_select",
+    "repeat_interleave",
 )
 TORCH_FUNCTIONS = ("nonzero", "unique", "bincount", "masked_select", "repeat_interleave")
 

@@ -31,9 +31,12 @@ class MegatronDynamicScaler:
         hysteresis: int,
     ) -> None:
         # Megatron asserts these before it builds its tensors
-        assert initial_scale > 0.0 and 0.0 < min_scale <= initial_scale
-        assert growth_factor > 1.0 and 0.0 < backoff_factor < 1.0
-        assert growth_interval > 0 and hysteresis > 0
+        assert initial_scale > 0.0
+        assert 0.0 < min_scale <= initial_scale
+        assert growth_factor > 1.0
+        assert 0.0 < backoff_factor < 1.0
+        assert growth_interval > 0
+        assert hysteresis > 0
         self.scale_tensor = _f32(initial_scale)
         self.min_scale = _f32(min_scale)
         self.growth_factor = _f32(growth_factor)

@@ -19,15 +19,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 def quiet_trainer(**kwargs: Any) -> L.Trainer:
     """A CPU Trainer without progress bar, summary, logger or checkpoints unless asked for."""
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
     defaults.update(kwargs)
     return L.Trainer(**defaults)
 
@@ -40,7 +40,9 @@ def regression_data(n: int = 64, d_in: int = 16, d_out: int = 4, seed: int = 0, 
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
-def classification_images(n: int = 32, classes: int = 4, size: int = 8, seed: int = 0, batch_size: int = 8) -> DataLoader:
+def classification_images(
+    n: int = 32, classes: int = 4, size: int = 8, seed: int = 0, batch_size: int = 8
+) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, classes, (n,), generator=g)
     x = torch.randn(n, 3, size, size, generator=g) + y.view(-1, 1, 1, 1).float() * 0.5
@@ -89,7 +91,9 @@ class SmallCNN(L.LightningModule):
     def __init__(self, classes: int = 4, lr: float = 1e-2):
         super().__init__()
         self.save_hyperparameters()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2))
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2)
+        )
         self.head = nn.Linear(32, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,8 +117,13 @@ class TinyTransformer(L.LightningModule):
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab, d_model)
         self.transformer = nn.Transformer(
-            d_model=d_model, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32,
-            dropout=0.0, batch_first=True,
+            d_model=d_model,
+            nhead=2,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=32,
+            dropout=0.0,
+            batch_first=True,
         )
         self.out = nn.Linear(d_model, vocab)
 

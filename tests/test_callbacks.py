@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -65,9 +66,11 @@ class ScaleProbe(L.Callback):
         self.scales.append((trainer.global_step, trainer.precision_plugin.scaler.get_scale()))
 
 
-def fit(model: L.LightningModule, tmp_path: Any, callbacks: list, plugin: Any, steps: int, data: Any = None, **kwargs: Any):
+def fit(
+    model: L.LightningModule, tmp_path: Any, callbacks: list, plugin: Any, steps: int, data: Any = None, **kwargs: Any
+):
     logger = TensorBoardLogger(str(tmp_path), name="", version=0)
-    precision = dict(precision=plugin) if isinstance(plugin, str) else dict(plugins=[plugin])
+    precision = {"precision": plugin} if isinstance(plugin, str) else {"plugins": [plugin]}
     trainer = quiet_trainer(**precision, callbacks=callbacks, logger=logger, max_steps=steps, **kwargs)
     trainer.fit(model, data if data is not None else regression_data(n=128))
     return trainer, read_events(logger.log_dir)
@@ -113,13 +116,15 @@ def test_loss_scale_series_equals_plugin_history(fp16_run):
 def test_overflow_counts_equal_injected_and_name_the_parameter(fp16_run):
     trainer, ea, monitors = fp16_run
     assert series(ea, "mpt/overflow") == [(s, float(s in (2, 5))) for s in range(8)]
-    assert series(ea, "mpt/skipped_steps")[-1] == (7, 2.0) and trainer.precision_plugin.skipped_steps == 2
+    assert series(ea, "mpt/skipped_steps")[-1] == (7, 2.0)
+    assert trainer.precision_plugin.skipped_steps == 2
     assert monitors[0].overflow_counts == {"net.3.weight": 2}
     assert series(ea, "mpt/nonfinite_param_count") == [(2, 1.0), (5, 1.0)]
     assert series(ea, "mpt/loss_nonfinite") == [(2, 0.0), (5, 0.0)]
     notes = texts(ea, "mpt/nonfinite_params")
-    assert [s for s, _ in notes] == [2, 5] and all("`net.3.weight`" in t and "loss finite" in t for _, t in notes)
-    (_, summary), = texts(ea, "mpt/overflow_summary")
+    assert [s for s, _ in notes] == [2, 5]
+    assert all("`net.3.weight`" in t and "loss finite" in t for _, t in notes)
+    ((_, summary),) = texts(ea, "mpt/overflow_summary")
     assert "| `net.3.weight` | 2 |" in summary
 
 
@@ -129,14 +134,17 @@ def test_nonfinite_values_are_counted_not_plotted(fp16_run):
     for step in range(8):
         h = by_step[step]
         assert (h.min, h.max) == (-27.0, 19.0)  # the axis spans the whole fp16 range
-        assert h.bucket_limit[-1] == 19.0 and h.bucket[-1] == (1.0 if step in (2, 5) else 0.0)  # the inf/NaN bucket
+        assert h.bucket_limit[-1] == 19.0
+        assert h.bucket[-1] == (1.0 if step in (2, 5) else 0.0)
         assert h.num == 4 * 32
     values = {e.step: e.histogram_value for e in ea.Histograms("mpt/grad/net.3.weight")}
-    assert values[2].num == values[5].num == 4 * 32 - 1 and values[3].num == 4 * 32
+    assert values[2].num == values[5].num == 4 * 32 - 1
+    assert values[3].num == 4 * 32
     assert all(math.isfinite(values[s].min) and math.isfinite(values[s].max) for s in values)
     # the fractions at the injected steps still come out (over the stored values)
     overflow = dict(series(ea, "mpt/grad_overflow_fraction/net.3.weight"))
-    assert overflow[2] == overflow[5] == 1 / 128 and overflow[3] == 0.0
+    assert overflow[2] == overflow[5] == 1 / 128
+    assert overflow[3] == 0.0
 
 
 def test_update_underflow_logged_on_clean_steps_only(fp16_run):
@@ -164,7 +172,10 @@ def test_dashboard_written_once_per_run_across_fits(tmp_path):
         trainer = quiet_trainer(plugins=[MPTPrecision("bf16")], callbacks=monitors, logger=logger, max_steps=1)
         trainer.fit(TinyMLP(), regression_data())
     (layout,) = layouts(read_events(logger.log_dir))
-    assert [c.title for c in layout.category[0].chart][:2] == ["Loss scale", "Skipped steps (cumulative) and overflows (0/1)"]
+    assert [c.title for c in layout.category[0].chart][:2] == [
+        "Loss scale",
+        "Skipped steps (cumulative) and overflows (0/1)",
+    ]
     assert not any("fraction" in c.title for c in layout.category[0].chart)  # only the monitors present
 
 
@@ -199,8 +210,9 @@ def _dropper_run(tmp_path: Any, monitor: bool):
     torch.manual_seed(0)
     model = Dropper()
     callbacks = [UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1)] if monitor else []
-    trainer, ea = fit(model, tmp_path, callbacks, MPTPrecision("fp16"), steps=4, max_epochs=1,
-                      data=regression_data(n=64))
+    trainer, ea = fit(
+        model, tmp_path, callbacks, MPTPrecision("fp16"), steps=4, max_epochs=1, data=regression_data(n=64)
+    )
     return trainer, ea, model
 
 
@@ -209,7 +221,8 @@ def test_reference_leaves_no_trace(tmp_path):
     trainer, ea, watched = _dropper_run(tmp_path / "watched", monitor=True)
     # the re-run replays each batch's RNG state: its draw equals the real call's, and training continues unchanged
     real, replayed = watched.draws[0::2], watched.draws[1::2]
-    assert len(watched.draws) == 8 and real == replayed == plain.draws
+    assert len(watched.draws) == 8
+    assert real == replayed == plain.draws
     assert watched.draws_after == plain.draws_after
     # weights, BatchNorm statistics, optimizer state and logged metrics are those of the run without the monitor
     for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
@@ -339,7 +352,8 @@ def test_manual_optimization_several_steps_per_batch(tmp_path):
     with pytest.warns(UserWarning, match="manual optimization"):
         trainer, ea = fit(TwoOptimizers(), tmp_path, monitors, plugin, steps=8)
     history = [(r.step, r.scale) for r in trainer.precision_plugin.history]
-    assert len(history) == 8 and series(ea, "mpt/loss_scale") == history
+    assert len(history) == 8
+    assert series(ea, "mpt/loss_scale") == history
     assert "mpt/grad_zero_fraction" in ea.Tags()["scalars"]
 
 
@@ -348,7 +362,7 @@ def test_bf16_and_csv_logger_fallback(tmp_path):
     logger = CSVLogger(str(tmp_path), name="", version=0)
     trainer = quiet_trainer(plugins=[MPTPrecision("bf16")], callbacks=monitors, logger=logger, max_steps=4)
     trainer.fit(TinyMLP(), regression_data())
-    header, *rows = open(f"{logger.log_dir}/metrics.csv").read().splitlines()
+    header, *rows = Path(logger.log_dir, "metrics.csv").read_text().splitlines()
     columns = header.split(",")
     assert {"mpt/loss_scale", "mpt/grad_underflow_fraction", "mpt/grad_zero_fraction/net.0.weight"} <= set(columns)
     scales = [r.split(",")[columns.index("mpt/loss_scale")] for r in rows]
@@ -372,7 +386,8 @@ def test_without_logger_warns_and_trains(tmp_path):
     trainer = quiet_trainer(plugins=[MPTPrecision("fp16")], callbacks=[*monitors, probe], max_steps=2)
     with pytest.warns(UserWarning, match="no logger"):
         trainer.fit(TinyMLP(), regression_data())
-    assert trainer.global_step == 2 and probe.queued == [0, 0]  # nothing measured for nobody
+    assert trainer.global_step == 2
+    assert probe.queued == [0, 0]
     assert all(m.group is None for m in monitors)  # the group is dissolved at teardown
 
 
@@ -388,18 +403,44 @@ def test_group_by_module(tmp_path):
     assert {"mpt/grad/net.0", "mpt/grad/net.1", "mpt/grad/net.3"} <= histograms
     assert {"mpt/grad_exponent/net.0", "mpt/grad_exponent/net.3"} == {t for t in histograms if "exponent" in t}
     (h,) = [e.histogram_value for e in ea.Histograms("mpt/grad/net.0") if e.step == 2]
-    assert h.num == 16 * 32 + 32 and len(h.bucket) <= 8  # weight and bias together
+    assert h.num == 16 * 32 + 32
+    assert len(h.bucket) <= 8
     (legend,) = texts(ea, "mpt/legend/grad_exponent")
-    assert "min subnormal 2^-24 = 5.96e-08" in legend[1] and "65504" in legend[1]
+    assert "min subnormal 2^-24 = 5.96e-08" in legend[1]
+    assert "65504" in legend[1]
 
 
 # -------------------------------------------------------------------------------------------------- host syncs
 @pytest.mark.parametrize(
     "read",
-    [bool, float, int, lambda t: t.item(), lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.numpy(), lambda t: t.nonzero(), lambda t: torch.nonzero(t), lambda t: t.unique(),
-     lambda t: [1, 2][t], lambda t: torch.masked_select(t, t > 0)],
-    ids=["bool", "float", "int", "item", "tolist", "cpu", "numpy", "nonzero", "torch.nonzero", "unique",
-         "index", "masked_select"],
+    [
+        bool,
+        float,
+        int,
+        lambda t: t.item(),
+        lambda t: t.tolist(),
+        lambda t: t.cpu(),
+        lambda t: t.numpy(),
+        lambda t: t.nonzero(),
+        lambda t: torch.nonzero(t),
+        lambda t: t.unique(),
+        lambda t: [1, 2][t],
+        lambda t: torch.masked_select(t, t > 0),
+    ],
+    ids=[
+        "bool",
+        "float",
+        "int",
+        "item",
+        "tolist",
+        "cpu",
+        "numpy",
+        "nonzero",
+        "torch.nonzero",
+        "unique",
+        "index",
+        "masked_select",
+    ],
 )
 def test_sync_counter_counts_every_host_read(read):
     t = torch.ones((), dtype=torch.long)
@@ -437,7 +478,7 @@ def test_one_host_sync_per_logging_step_for_all_statistics(tmp_path, order):
 
 # -------------------------------------------------------------------------------------------- arguments, misc
 @pytest.mark.parametrize(
-    "make, message",
+    ("make", "message"),
     [
         (lambda: LossScaleMonitor(every_n_steps=0), r"every_n_steps=0\): expected an int >= 1"),
         (lambda: UnderflowMonitor(every_n_steps=-1), r"None \(the Trainer's log_every_n_steps\)"),
@@ -473,7 +514,8 @@ def test_loss_scale_monitor_state_roundtrip():
     m.overflows, m.overflow_counts["a.weight"] = 3, 3
     other = LossScaleMonitor()
     other.load_state_dict(m.state_dict())
-    assert other.overflows == 3 and other.overflow_counts == {"a.weight": 3}
+    assert other.overflows == 3
+    assert other.overflow_counts == {"a.weight": 3}
 
 
 # ------------------------------------------------------------ edge cases: no model shape stops the monitors
@@ -525,7 +567,9 @@ class NormOnly(L.LightningModule):
 
 
 EDGE_PLUGINS = {
-    "fp16": lambda: MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**8)),  # no overflow: every step measured
+    "fp16": lambda: MPTPrecision(
+        "fp16", scaler=DynamicLossScaler(init_scale=2.0**8)
+    ),  # no overflow: every step measured
     "bf16": lambda: MPTPrecision("bf16"),
     "16-mixed": lambda: MixedPrecision("16-mixed", "cpu"),
 }
@@ -558,7 +602,8 @@ def test_every_statistic_on_edge_case_models(tmp_path, model_class, plugin):
     assert {"mpt/grad/" + n for n in measured} <= histograms
     if measured:
         ref = monitors[2].last_reference
-        assert ref.step == 2 and set(measured) <= set(ref.names)
+        assert ref.step == 2
+        assert set(measured) <= set(ref.names)
         assert ref.nonzero.shape == ref.flushed.shape == ref.max_scaled.shape == (len(ref.names),)  # 1-D, also for one
 
 
@@ -583,16 +628,27 @@ def test_internal_error_is_one_warning_and_turns_only_that_statistic_off(tmp_pat
     (warning,) = [w for w in caught if issubclass(w.category, DiagnosticsWarning)]  # one, although 4 steps failed
     message = str(warning.message)
     assert message.startswith("UnderflowMonitor: the fp32 reference (mpt/grad_underflow_fraction, mpt/scale_headroom)")
-    assert "Traceback (most recent call last)" in message and "in _reference_grads" in message
-    assert "RuntimeError" in message and "LIGHTNING_MPT_STRICT_DIAGNOSTICS=1" in message
+    assert "Traceback (most recent call last)" in message
+    assert "in _reference_grads" in message
+    assert "RuntimeError" in message
+    assert "LIGHTNING_MPT_STRICT_DIAGNOSTICS=1" in message
     assert trainer.global_step == 4  # training went on
     underflow = monitors[2]
-    assert not underflow.reference_stat.enabled and underflow.last_reference is None
-    assert underflow.stored_stat.enabled and underflow.update_stat.enabled and underflow.setup_stat.enabled
+    assert not underflow.reference_stat.enabled
+    assert underflow.last_reference is None
+    assert underflow.stored_stat.enabled
+    assert underflow.update_stat.enabled
+    assert underflow.setup_stat.enabled
     # the reference's tags are missing, everything else was written at every step
     scalars = set(ea.Tags()["scalars"])
-    assert "mpt/grad_underflow_fraction" not in scalars and "mpt/scale_headroom" not in scalars
-    for tag in ("mpt/loss_scale", "mpt/grad_zero_fraction", "mpt/grad_subnormal_fraction", "mpt/update_underflow_fraction"):
+    assert "mpt/grad_underflow_fraction" not in scalars
+    assert "mpt/scale_headroom" not in scalars
+    for tag in (
+        "mpt/loss_scale",
+        "mpt/grad_zero_fraction",
+        "mpt/grad_subnormal_fraction",
+        "mpt/update_underflow_fraction",
+    ):
         assert [s for s, _ in series(ea, tag)] == [0, 1, 2, 3], tag
     assert {e.step for e in ea.Histograms("mpt/grad_exponent/net.0.weight")} == {0, 1, 2, 3}
 
@@ -605,9 +661,11 @@ def test_strict_reraises_the_internal_error(tmp_path):
 
 def test_strict_switch_environment_and_argument(monkeypatch):
     monkeypatch.delenv(STRICT_ENV)
-    assert not Statistic("m", "x").strict and Statistic("m", "x", strict=True).strict
+    assert not Statistic("m", "x").strict
+    assert Statistic("m", "x", strict=True).strict
     monkeypatch.setenv(STRICT_ENV, "1")
-    assert Statistic("m", "x").strict and not Statistic("m", "x", strict=False).strict
+    assert Statistic("m", "x").strict
+    assert not Statistic("m", "x", strict=False).strict
 
 
 class Broken(Statistic):
@@ -625,10 +683,17 @@ def test_recorder_turns_off_only_the_failing_consumer(tmp_path):
         recorder.queue(good, torch.tensor([1.0, 2.0]), written.append)
         if bad.enabled:
             recorder.queue(bad, torch.tensor([3.0]), bad.consume)
-        with pytest.warns(DiagnosticsWarning, match="m: bad failed with ZeroDivisionError") if step == 0 else _no_warning():
+        with (
+            pytest.warns(DiagnosticsWarning, match="m: bad failed with ZeroDivisionError")
+            if step == 0
+            else _no_warning()
+        ):
             recorder.flush()
-    assert written == [[1.0, 2.0], [1.0, 2.0]] and recorder.syncs == 2
-    assert good.enabled and not bad.enabled and isinstance(bad.error, ZeroDivisionError)
+    assert written == [[1.0, 2.0], [1.0, 2.0]]
+    assert recorder.syncs == 2
+    assert good.enabled
+    assert not bad.enabled
+    assert isinstance(bad.error, ZeroDivisionError)
     strict = Broken("m", "bad", strict=True)
     recorder.queue(strict, torch.tensor([3.0]), strict.consume)
     with pytest.raises(ZeroDivisionError):
@@ -662,11 +727,13 @@ def test_monitors_share_one_group_formed_by_the_first_and_dissolved_at_teardown(
     fit(TinyMLP(), tmp_path / "a", [monitors[0], probe, *monitors[1:]], MPTPrecision("fp16"), steps=2)
     (group,) = {id(g) for step in probe.groups for g in step}  # one group, the same at every step
     first = probe.groups[0][0]
-    assert first.owner is monitors[0] and first.members == monitors
+    assert first.owner is monitors[0]
+    assert first.members == monitors
     assert all(m.group is None for m in monitors)
     # the same monitors in a second fit form a new group
     fit(TinyMLP(), tmp_path / "b", [*monitors, probe], MPTPrecision("fp16"), steps=1)
-    assert probe.groups[-1][0] is not first and len({id(g) for g in probe.groups[-1]}) == 1
+    assert probe.groups[-1][0] is not first
+    assert len({id(g) for g in probe.groups[-1]}) == 1
 
 
 # ------------------------------------------------------------------------------------- records for programs
@@ -676,18 +743,30 @@ def test_records_of_skipped_steps_summary_and_run(fp16_run):
     skips = records(ea, "mpt/data/skipped_step")
     assert [s for s, _ in skips] == [2, 5]
     for step, r in skips:
-        assert r == {"schema": 1, "step": step, "scale": history[step].scale, "scale_after": history[step + 1].scale,
-                     "params": ["net.3.weight"], "loss_finite": True}
+        assert r == {
+            "schema": 1,
+            "step": step,
+            "scale": history[step].scale,
+            "scale_after": history[step + 1].scale,
+            "params": ["net.3.weight"],
+            "loss_finite": True,
+        }
     ((_, summary),) = records(ea, "mpt/data/overflow_summary")
     assert summary == {"schema": 1, "step": 8, "skipped_steps": 2, "params": {"net.3.weight": 2}}
     ((_, run),) = records(ea, "mpt/data/run")
-    assert run == {"schema": 1, "format": "fp16", "plugin": "MPTPrecision", "precision": "16-mixed",
-                   "loss_scaling": "dynamic", "monitors": ["LossScaleMonitor", "GradientHistogramMonitor", "UnderflowMonitor"]}
+    assert run == {
+        "schema": 1,
+        "format": "fp16",
+        "plugin": "MPTPrecision",
+        "precision": "16-mixed",
+        "loss_scaling": "dynamic",
+        "monitors": ["LossScaleMonitor", "GradientHistogramMonitor", "UnderflowMonitor"],
+    }
     assert "mpt/data/stopped" not in ea.Tags()["tensors"]
 
 
 def test_guard_stop_is_recorded(tmp_path):
-    inject = InjectNonFinite("net.0.bias", {s: math.inf for s in range(1, 10)})
+    inject = InjectNonFinite("net.0.bias", dict.fromkeys(range(1, 10), math.inf))
     plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**10), max_consecutive_skips=3)
     logger = TensorBoardLogger(str(tmp_path), name="", version=0)
     trainer = quiet_trainer(plugins=[plugin], callbacks=[inject, LossScaleMonitor()], logger=logger, max_steps=10)
@@ -696,8 +775,15 @@ def test_guard_stop_is_recorded(tmp_path):
     ea = read_events(logger.log_dir)
     assert [s for s, _ in records(ea, "mpt/data/skipped_step")] == [1, 2, 3]  # the step that tripped it included
     ((step, stop),) = records(ea, "mpt/data/stopped")
-    assert step == 3 and stop == {"schema": 1, "step": 3, "error": "NonFiniteGradientError", "message": str(raised.value)}
+    assert step == 3
+    assert stop == {
+        "schema": 1,
+        "step": 3,
+        "error": "NonFiniteGradientError",
+        "message": str(raised.value),
+    }
     assert "net.0.bias" in stop["message"]
     ((_, summary),) = records(ea, "mpt/data/overflow_summary")
-    assert summary["skipped_steps"] == 3 and summary["params"] == {"net.0.bias": 3}
+    assert summary["skipped_steps"] == 3
+    assert summary["params"] == {"net.0.bias": 3}
     assert series(ea, "mpt/overflow") == [(0, 0.0), (1, 1.0), (2, 1.0), (3, 1.0)]

@@ -51,14 +51,16 @@ def test_ddp_rank_zero_writes_and_flush_is_reduced_across_ranks(tmp_path):
     assert r0["nonzero"] == [a + b for a, b in zip(r0["local_nonzero"], r1["local_nonzero"])]
     # only rank 0 wrote event files
     events = sorted(p for p in tmp_path.rglob("events.out.tfevents.*"))
-    assert len(events) == 1 and events[0].name.split(".")[-2] == str(r0["pid"]) != str(r1["pid"])
+    assert len(events) == 1
+    assert events[0].name.split(".")[-2] == str(r0["pid"]) != str(r1["pid"])
     ea = read_events(events[0].parent)
     logged = dict(series(ea, "mpt/grad_underflow_fraction"))
     assert sorted(logged) == r0["reference_steps"]
     assert logged[r0["reference_steps"][-1]] == pytest.approx(sum(r0["flushed"]) / sum(r0["nonzero"]))
     assert series(ea, "mpt/loss_scale") == [tuple(x) for x in r0["history"]]
     assert [r["monitors"] for _, r in records(ea, "mpt/data/run")] == [
-        ["LossScaleMonitor", "UnderflowMonitor", "GradientHistogramMonitor"]]  # one group, one header, rank 0
+        ["LossScaleMonitor", "UnderflowMonitor", "GradientHistogramMonitor"]
+    ]  # one group, one header, rank 0
     assert "mpt/grad_zero_fraction/l1.weight" in ea.Tags()["scalars"]
     assert "mpt/grad_exponent/l1.weight" in ea.Tags()["histograms"]
 
@@ -103,15 +105,20 @@ class Report(L.Callback):
         history = [(r.step, r.scale) for r in trainer.precision_plugin.history]
         histories: list[Any] = [None, None]
         torch.distributed.all_gather_object(histories, history)
-        report = dict(
-            rank=trainer.global_rank, pid=os.getpid(), reference_steps=self.steps, history=history,
-            local_nonzero=ref.local_nonzero.tolist(), local_flushed=ref.local_flushed.tolist(),
-            nonzero=ref.nonzero.tolist(), flushed=ref.flushed.tolist(),
-            checks=dict(
-                reduced_is_sum_of_ranks=torch.equal(gathered.sum(0), ref.flushed),
-                same_scale_history=histories[0] == histories[1],
-            ),
-        )
+        report = {
+            "rank": trainer.global_rank,
+            "pid": os.getpid(),
+            "reference_steps": self.steps,
+            "history": history,
+            "local_nonzero": ref.local_nonzero.tolist(),
+            "local_flushed": ref.local_flushed.tolist(),
+            "nonzero": ref.nonzero.tolist(),
+            "flushed": ref.flushed.tolist(),
+            "checks": {
+                "reduced_is_sum_of_ranks": torch.equal(gathered.sum(0), ref.flushed),
+                "same_scale_history": histories[0] == histories[1],
+            },
+        }
         if trainer.is_global_zero:
             trainer.logger.experiment.flush()
         path = Path(self.out, f"rank{trainer.global_rank}.json")
@@ -124,7 +131,10 @@ def _main(out: str) -> None:
     x = torch.randn(64, 8, generator=g) * (1 + 2 * (torch.arange(64) % 2)).unsqueeze(1)  # odd samples (rank 1) larger
     y = torch.randn(64, 1, generator=g)
     trainer = quiet_trainer(
-        devices=2, strategy="ddp_spawn", plugins=[MPTPrecision("fp16", scaler=1.0)], max_steps=STEPS,
+        devices=2,
+        strategy="ddp_spawn",
+        plugins=[MPTPrecision("fp16", scaler=1.0)],
+        max_steps=STEPS,
         callbacks=[
             LossScaleMonitor(),
             UnderflowMonitor(every_n_steps=1, reference_every_n_steps=REFERENCE_EVERY),

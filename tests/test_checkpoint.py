@@ -90,7 +90,9 @@ def make_plugin() -> MPTPrecision:
     return MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2))
 
 
-def run(tmp_path: Path, epochs: int, ckpt_path=None, inject=frozenset({1, 4, 5})) -> tuple[L.Trainer, TinyMLP, MPTPrecision]:
+def run(
+    tmp_path: Path, epochs: int, ckpt_path=None, inject=frozenset({1, 4, 5})
+) -> tuple[L.Trainer, TinyMLP, MPTPrecision]:
     torch.manual_seed(0)
     model = TinyMLP(lr=1e-2)
     plugin = make_plugin()
@@ -121,7 +123,8 @@ def test_resume_is_bitwise_identical_to_the_uninterrupted_run(tmp_path, inject, 
     first_trainer.save_checkpoint(ckpt)
     s = first_plugin.scaler
     if 5 in inject:
-        assert first_plugin.last_step_skipped and s.hysteresis_tracker == 1
+        assert first_plugin.last_step_skipped
+        assert s.hysteresis_tracker == 1
     else:
         assert 0 < s.growth_tracker < s.growth_interval
 
@@ -168,7 +171,9 @@ print("DONE", trainer.global_step, trainer.precision_plugin.loss_scale, flush=Tr
 def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     ckpt_dir, log_dir = str(tmp_path / "ckpt"), str(tmp_path / "logs")
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(KILL_SCRIPT.format(tests=str(HERE), ckpt_dir=ckpt_dir, log_dir=log_dir, slow=True)))
+    script.write_text(
+        textwrap.dedent(KILL_SCRIPT.format(tests=str(HERE), ckpt_dir=ckpt_dir, log_dir=log_dir, slow=True))
+    )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     watchdog = threading.Timer(120, proc.kill)  # a child that hangs before READY is killed; one that dies ends the read
     watchdog.start()
@@ -181,10 +186,13 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     last = torch.load(Path(ckpt_dir) / "last.ckpt", weights_only=False)  # readable, not corrupted
-    assert last["global_step"] == 6 and last["MPTPrecision"]["scaler"]["scale"] > 0
+    assert last["global_step"] == 6
+    assert last["MPTPrecision"]["scaler"]["scale"] > 0
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in last["state_dict"].values())
 
-    script.write_text(textwrap.dedent(KILL_SCRIPT.format(tests=str(HERE), ckpt_dir=ckpt_dir, log_dir=log_dir, slow=False)))
+    script.write_text(
+        textwrap.dedent(KILL_SCRIPT.format(tests=str(HERE), ckpt_dir=ckpt_dir, log_dir=log_dir, slow=False))
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "DONE 12" in out.stdout
@@ -197,7 +205,8 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     assert metrics
     for path in metrics:
         rows = list(csv.DictReader(path.open()))
-        assert rows and all(len(r) == len(rows[0]) and None not in r for r in rows)
+        assert rows
+        assert all(len(r) == len(rows[0]) and None not in r for r in rows)
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation

@@ -30,7 +30,7 @@ def test_after_fit_the_module_is_a_plain_fp32_model_that_pickles():
     pickle.dumps(trainer)  # the trainer, plugin included, pickles too
 
 
-# ---------------------------------------------------------------------------------------------------- hooks and clipping
+# -------------------------------------------------------------------------------------------------- hooks and clipping
 
 
 class CountHooks(TinyMLP):
@@ -51,10 +51,19 @@ def test_hooks_and_clipping_run_on_every_step_skipped_ones_included():
     torch.manual_seed(0)
     model = CountHooks()
     plugin = MPTPrecision("fp16", scaler=1024.0)
-    trainer = quiet_trainer(max_steps=4, gradient_clip_val=1.0, plugins=[plugin], callbacks=[InjectInf("net.3.weight", {1})])
+    trainer = quiet_trainer(
+        max_steps=4, gradient_clip_val=1.0, plugins=[plugin], callbacks=[InjectInf("net.3.weight", {1})]
+    )
     trainer.fit(model, regression_data())
     assert [(name, step) for name, step, _ in model.calls] == [
-        ("before", 0), ("clip", 0), ("before", 1), ("clip", 1), ("before", 2), ("clip", 2), ("before", 3), ("clip", 3)
+        ("before", 0),
+        ("clip", 0),
+        ("before", 1),
+        ("clip", 1),
+        ("before", 2),
+        ("clip", 2),
+        ("before", 3),
+        ("clip", 3),
     ]
     assert plugin.skipped_steps == 1
     assert max(v for _, _, v in model.calls) < 10  # true gradients of an MSE loss of order 1, never scaled by 1024
@@ -101,9 +110,12 @@ class ManualReturns(TinyMLP):
 def test_optimizer_step_returns_the_optimizers_return_value(precision):
     model = ManualReturns()
     plugin = MPTPrecision(precision, scaler=256.0 if precision == "fp16" else None)
-    quiet_trainer(max_steps=3, plugins=[plugin], callbacks=[InjectInf("net.0.weight", {1})]).fit(model, regression_data())
+    quiet_trainer(max_steps=3, plugins=[plugin], callbacks=[InjectInf("net.0.weight", {1})]).fit(
+        model, regression_data()
+    )
     assert plugin.skipped_steps == 1
-    assert isinstance(model.returned[0], torch.Tensor) and model.returned[0].ndim == 0  # the loss SGD/Adam return
+    assert isinstance(model.returned[0], torch.Tensor)
+    assert model.returned[0].ndim == 0
     assert model.returned[1] is None  # a skipped step returns nothing, as GradScaler.step
     assert isinstance(model.returned[2], torch.Tensor)
 
@@ -122,7 +134,7 @@ def test_training_step_returning_none_skips_backward_and_step():
     assert len(plugin.history) == 2  # only batches 0 and 2 had a loss to step on
 
 
-# ---------------------------------------------------------------------------------------------------- parameter identity
+# -------------------------------------------------------------------------------------------------- parameter identity
 
 
 class TwoHeads(L.LightningModule):
@@ -183,12 +195,16 @@ def test_backbone_finetuning_adds_param_groups_that_train_on_masters():
     class Inspect(L.Callback):
         def on_train_epoch_end(self, trainer, module):
             opt = trainer.optimizers[0]
-            seen[trainer.current_epoch] = (len(opt.param_groups), {v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"})
+            seen[trainer.current_epoch] = (
+                len(opt.param_groups),
+                {v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"},
+            )
 
     data = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), batch_size=8)
     finetune = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.1, verbose=False)
     quiet_trainer(max_epochs=3, plugins=[MPTPrecision("bf16")], callbacks=[finetune, Inspect()]).fit(model, data)
-    assert seen[0][0] == 1 and seen[2][0] == 2  # the backbone's group was added during fit
+    assert seen[0][0] == 1
+    assert seen[2][0] == 2
     assert seen[2][1] == {torch.float32}  # its Adam state is fp32 too
     assert not torch.equal(model.backbone[0].weight, backbone0)
     assert model.backbone[0].weight.dtype == torch.float32
@@ -211,6 +227,7 @@ def test_lr_finder_runs_and_restores_the_model(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = quiet_trainer(max_epochs=1, plugins=[MPTPrecision("bf16")], default_root_dir=tmp_path)
     finder = Tuner(trainer).lr_find(model, regression_data(n=256), num_training=20, min_lr=1e-5, max_lr=1.0)
-    assert finder is not None and len(finder.results["lr"]) > 5
+    assert finder is not None
+    assert len(finder.results["lr"]) > 5
     after = model.state_dict()
     assert all(after[k].dtype == torch.float32 and torch.equal(after[k], before[k]) for k in before)

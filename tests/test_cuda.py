@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import InjectInf, TinyMLP, regression_data, run_until_written  # noqa: E402
+from models import InjectInf, TinyMLP, regression_data, run_until_written
 
-from lightning_mpt import DynamicLossScaler, MPTPrecision  # noqa: E402
+from lightning_mpt import DynamicLossScaler, MPTPrecision
 
 ROOT = Path(__file__).resolve().parents[1]
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -41,10 +41,15 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def gpu_trainer(**kwargs: Any) -> L.Trainer:
-    defaults: dict[str, Any] = dict(
-        accelerator="gpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    )
+    defaults: dict[str, Any] = {
+        "accelerator": "gpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
     defaults.update(kwargs)
     return L.Trainer(**defaults)
 
@@ -73,8 +78,12 @@ class Inspect(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.state_dtypes = {v.dtype for s in trainer.optimizers[0].state.values() for v in s.values()
-                             if isinstance(v, torch.Tensor) and v.ndim > 0}
+        self.state_dtypes = {
+            v.dtype
+            for s in trainer.optimizers[0].state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.ndim > 0
+        }
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "bf16"])
@@ -90,7 +99,8 @@ def test_trains_on_cuda_with_half_weights_and_fp32_masters(fmt: str) -> None:
         assert row["masters"] == {(torch.float32, "cuda")}
         assert row["rounded"]
     assert inspect.state_dtypes == {torch.float32}  # Adam's moments step the fp32 masters
-    assert plugin.skipped_steps <= 3 and plugin.device == "cuda"
+    assert plugin.skipped_steps <= 3
+    assert plugin.device == "cuda"
     assert sum(inspect.losses[-5:]) < 0.5 * sum(inspect.losses[:5])  # it learns
     assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.float32, "cuda")}  # fp32 after fit
 
@@ -107,8 +117,9 @@ class ScaledGrads(L.Callback):
 
     def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.scaled.append({n: p.grad.clone() for n, p in module.named_parameters()})
-        self.masters_before.append({n: trainer.precision_plugin.master_of(p).detach().clone()
-                                    for n, p in module.named_parameters()})
+        self.masters_before.append({
+            n: trainer.precision_plugin.master_of(p).detach().clone() for n, p in module.named_parameters()
+        })
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
         plugin = trainer.precision_plugin
@@ -132,7 +143,8 @@ def test_fused_unscale_on_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu_trainer(max_steps=4, plugins=[plugin], callbacks=[grads, InjectInf("net.0.weight", steps={2})]).fit(
         TinyMLP(), regression_data(n=64)
     )
-    assert calls and all(devices == {"cuda"} for devices in calls)  # the fused kernel ran on CUDA tensors
+    assert calls
+    assert all(devices == {"cuda"} for devices in calls)
     # clean steps: fp32 master gradient == scaled half gradient / scale, bit for bit; the module sees it in half
     for step in (0, 1, 3):
         step_scale = scale if step < 2 else scale / 2
@@ -141,8 +153,11 @@ def test_fused_unscale_on_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
             assert torch.equal(grads.module_grads[step][name], (g.float() / step_scale).to(g.dtype)), (step, name)
     # the inf injected at step 2: detected, the step skipped, masters untouched, the scale halved
     record = plugin.history[2]
-    assert record.skipped and plugin.skipped_steps == 1 and record.nonfinite_params == ["net.0.weight"]
-    assert not plugin.history[3].skipped and plugin.history[3].scale == scale / 2
+    assert record.skipped
+    assert plugin.skipped_steps == 1
+    assert record.nonfinite_params == ["net.0.weight"]
+    assert not plugin.history[3].skipped
+    assert plugin.history[3].scale == scale / 2
     for name, m in grads.masters_before[2].items():
         assert torch.equal(m, grads.masters_before[3][name]), name
 
@@ -155,7 +170,8 @@ def test_autocast_on_half_weights(fmt: str) -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)).cuda()
     plugin.convert_module(model)
     assert plugin.device == "cuda"
-    assert model[0].weight.dtype == half and model[1].weight.dtype == torch.float32
+    assert model[0].weight.dtype == half
+    assert model[1].weight.dtype == torch.float32
     x, y = torch.randn(4, 16, device="cuda"), torch.randint(0, 8, (4,), device="cuda")
     with plugin.forward_context():
         h = model[0](x)  # fp32 input, half weight: the matmul runs in the half format
@@ -163,10 +179,14 @@ def test_autocast_on_half_weights(fmt: str) -> None:
         logits = model[2](n)
         probs = torch.softmax(logits, -1)
         loss = nn.functional.cross_entropy(logits, y)
-    assert h.dtype == half and logits.dtype == half
-    assert n.dtype == torch.float32 and probs.dtype == torch.float32 and loss.dtype == torch.float32
+    assert h.dtype == half
+    assert logits.dtype == half
+    assert n.dtype == torch.float32
+    assert probs.dtype == torch.float32
+    assert loss.dtype == torch.float32
     loss.backward()
-    assert model[0].weight.grad.dtype == half and model[1].weight.grad.dtype == torch.float32
+    assert model[0].weight.grad.dtype == half
+    assert model[1].weight.grad.dtype == torch.float32
     assert torch.isfinite(model[0].weight.grad).all()
     plugin.teardown()
     assert {p.dtype for p in model.parameters()} == {torch.float32}
@@ -182,7 +202,9 @@ def test_tensor_core_check_on_cuda() -> None:
             TinyMLP(d_in=30, hidden=32, d_out=10), regression_data(n=12, d_in=30, d_out=10, batch_size=12)
         )
     assert [str(f) for f in check.findings] == [
-        "net.0 (Linear): in_features=30", "net.3 (Linear): out_features=10", "batch size (DataLoader): batch_size=12",
+        "net.0 (Linear): in_features=30",
+        "net.3 (Linear): out_features=10",
+        "batch size (DataLoader): batch_size=12",
     ]
     aligned = TensorCoreCheck()
     gpu_trainer(max_steps=1, plugins=[MPTPrecision("fp16")], callbacks=[aligned]).fit(
@@ -199,16 +221,33 @@ def test_benchmark_gpu_path_on_a_tiny_model(tmp_path: Path) -> None:
     import run_all
 
     out = run_all.main([
-        "--accelerator", "gpu", "--size", "tiny", "--workloads", "transformer", "--rounds", "2", "--steps", "6",
-        "--warmup", "3", "--profile-steps", "2", "--quiet", "--out", str(tmp_path / "gpu.md"),
+        "--accelerator",
+        "gpu",
+        "--size",
+        "tiny",
+        "--workloads",
+        "transformer",
+        "--rounds",
+        "2",
+        "--steps",
+        "6",
+        "--warmup",
+        "3",
+        "--profile-steps",
+        "2",
+        "--quiet",
+        "--out",
+        str(tmp_path / "gpu.md"),
     ])
     text = out["markdown"]
     assert torch.cuda.get_device_name() in text
-    assert "peak MiB" in text and "GPU: mpt-bf16 / bf16-mixed <= 0.9" in text
+    assert "peak MiB" in text
+    assert "GPU: mpt-bf16 / bf16-mixed <= 0.9" in text
     runs = out["runs"]["transformer"]
     assert set(runs) == set(run_all.step_time.ALL_PRECISIONS)  # on a GPU the fp16 precisions run too
     assert all(r["peak_bytes"] and r["seconds"] > 0 for rs in runs.values() for r in rs)
-    assert "self CUDA time" in out["profile"] and "aten::" in out["profile"]
+    assert "self CUDA time" in out["profile"]
+    assert "aten::" in out["profile"]
     assert out["floors"]["transformer"]["mpt-bf16"]["bandwidth"] > 2e11  # HBM: TB/s (a CPU: tens of GB/s)
 
 
@@ -241,8 +280,10 @@ class Record(L.Callback):
         plugin = trainer.precision_plugin
         flat = torch.cat([m.detach().float().flatten() for _, _, m in plugin.named_masters()]).cpu()
         self.rows.append({
-            "scale": plugin.last_step.scale, "skipped": plugin.last_step_skipped,
-            "masters_sha1": hashlib.sha1(flat.numpy().tobytes()).hexdigest(), "bytes": self.bytes[0],
+            "scale": plugin.last_step.scale,
+            "skipped": plugin.last_step_skipped,
+            "masters_sha1": hashlib.sha1(flat.numpy().tobytes(), usedforsecurity=False).hexdigest(),
+            "bytes": self.bytes[0],
             "dtypes": sorted({str(p.dtype) for p in module.parameters()}),
         })
         self.bytes[0] = 0
@@ -256,7 +297,9 @@ class Record(L.Callback):
 def ddp_worker(out: Path) -> None:
     torch.manual_seed(os.getpid())  # ranks start from different weights: the plugin must broadcast rank 0's masters
     trainer = gpu_trainer(
-        strategy="ddp", devices=2, max_steps=6,
+        strategy="ddp",
+        devices=2,
+        max_steps=6,
         plugins=[MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=1024.0))],
         callbacks=[Record(out), InjectInf("net.0.weight", steps={3}, rank=1)],
     )
@@ -266,15 +309,20 @@ def ddp_worker(out: Path) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP needs 2 GPUs")
 def test_ddp_nccl_ranks_agree_and_reduce_half_gradients(tmp_path: Path) -> None:
     ranks = [tmp_path / "rank0.json", tmp_path / "rank1.json"]
-    code = run_until_written([sys.executable, os.path.abspath(__file__), "ddp-worker", str(tmp_path)], ranks,
-                             tmp_path / "log.txt", timeout=300)
+    code = run_until_written(
+        [sys.executable, os.path.abspath(__file__), "ddp-worker", str(tmp_path)],
+        ranks,
+        tmp_path / "log.txt",
+        timeout=300,
+    )
     if not all(r.exists() for r in ranks):
         pytest.fail(f"workers did not finish (exit {code}):\n{(tmp_path / 'log.txt').read_text()[-3000:]}")
     rank0, rank1 = (json.loads(r.read_text()) for r in ranks)
     assert len(rank0) == len(rank1) == 6
     for a, b in zip(rank0, rank1):
         assert (a["scale"], a["skipped"], a["masters_sha1"]) == (b["scale"], b["skipped"], b["masters_sha1"])
-    assert rank0[3]["skipped"] and rank0[3]["masters_sha1"] == rank0[2]["masters_sha1"]  # inf on rank 1 only
+    assert rank0[3]["skipped"]
+    assert rank0[3]["masters_sha1"] == rank0[2]["masters_sha1"]
     assert rank0[4]["scale"] == rank0[3]["scale"] / 2
     params = 16 * 32 + 32 + 32 * 4 + 4
     assert rank0[0]["dtypes"] == ["torch.float16"]

@@ -26,7 +26,8 @@ RUN = "mp/version_0"
 
 def _screenshots_module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("make_screenshots", ROOT / "scripts" / "make_screenshots.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -52,11 +53,14 @@ def served(tmp_path_factory: pytest.TempPathFactory):
         TinyMLP(), regression_data(n=16 * STEPS)
     )
     history = [(r.step, r.scale) for r in plugin.history]
-    assert len(history) == STEPS and plugin.skipped_steps == 2
+    assert len(history) == STEPS
+    assert plugin.skipped_steps == 2
     with tb.serve_tensorboard(root) as url:
         # TensorBoard reads event files in the background: wait until the run's whole series is there
-        tb.wait_for(lambda: tb.get_json(url, "/data/plugin/scalars/scalars", run=RUN, tag="mpt/loss_scale"),
-                    lambda points: len(points) == STEPS)
+        tb.wait_for(
+            lambda: tb.get_json(url, "/data/plugin/scalars/scalars", run=RUN, tag="mpt/loss_scale"),
+            lambda points: len(points) == STEPS,
+        )
         yield url, history
 
 

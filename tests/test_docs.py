@@ -26,6 +26,7 @@ PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 # a fenced block: opening fence (maybe indented, e.g. inside an admonition), its info string, body, closing fence
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 
+
 @dataclass(frozen=True)
 class Block:
     page: Path
@@ -81,8 +82,10 @@ def test_python_block(block: Block, tmp_path_factory: pytest.TempPathFactory) ->
     if failure is not None:
         failed, trace = failure
         builds_on = "" if failed == block else f", which block {block.number} builds on,"
-        pytest.fail(f"{block.page.name}: python block {failed.number} (line {failed.line}){builds_on} failed:\n{trace}",
-                    pytrace=False)
+        pytest.fail(
+            f"{block.page.name}: python block {failed.number} (line {failed.line}){builds_on} failed:\n{trace}",
+            pytrace=False,
+        )
 
 
 def _run_through(page: _Page, blocks: list[Block]) -> Optional[tuple[Block, str]]:
@@ -92,7 +95,7 @@ def _run_through(page: _Page, blocks: list[Block]) -> Optional[tuple[Block, str]
         linecache.cache[filename] = (len(b.code), None, b.code.splitlines(keepends=True), filename)  # for tracebacks
         code = compile(b.code, filename, "exec")
         try:
-            exec(code, page.namespace)
+            exec(code, page.namespace)  # noqa: S102  (running the documentation's own examples is the test)
         except Exception:
             return b, traceback.format_exc()
         page.done = b.number
@@ -102,14 +105,16 @@ def _run_through(page: _Page, blocks: list[Block]) -> Optional[tuple[Block, str]
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_fences_name_their_language(page: Path) -> None:
     unlabeled = [line for info, line, _ in fences(page) if not info]
-    assert not unlabeled, f"{page.name}: fenced blocks without a language at lines {unlabeled} (python, bash, text, ...)"
+    assert not unlabeled, (
+        f"{page.name}: fenced blocks without a language at lines {unlabeled} (python, bash, text, ...)"
+    )
 
 
 def test_blocks_are_found() -> None:
     """The parser sees the blocks it should: an indented fence, a fence with attributes, the line numbers."""
     page = ROOT / "docs" / "index.md"
     assert any(b.page == page for b in BLOCKS)
-    sample = "text\n\n```python title=\"a.py\"\nx = 1\n```\n\n!!! note\n    ```python\n    y = x + 1\n    ```\n"
+    sample = 'text\n\n```python title="a.py"\nx = 1\n```\n\n!!! note\n    ```python\n    y = x + 1\n    ```\n'
     matches = list(FENCE.finditer(sample))
     assert [m["info"] for m in matches] == ['python title="a.py"', "python"]
     assert textwrap.dedent(matches[1]["body"]) == "y = x + 1\n"

@@ -23,15 +23,20 @@ def test_sync_reads_the_flags_and_extra_values_in_one_go():
     policy.scale_loss(torch.tensor(math.nan))
     assert policy.sync(torch.tensor(2.0)) == (True, False, [])
     assert policy.sync(None) == (False, True, [])  # nothing to read: no sync at all
-    assert policy.steps == 0 and not policy.history  # syncing records nothing
+    assert policy.steps == 0
+    assert not policy.history
 
 
 def test_record_backs_off_and_counts_per_optimizer():
     policy = StepPolicy(DynamicLossScaler(init_scale=8.0, growth_interval=100), max_consecutive_skips=2)
     policy.scale_loss(torch.tensor(1.0))
     record = policy.record(True, optimizer=1)
-    assert record.skipped and record.scale == 8.0 and record.optimizer == 1
-    assert policy.loss_scale == 4.0 and policy.skipped_steps == 1 and policy.consecutive == {1: 1}
+    assert record.skipped
+    assert record.scale == 8.0
+    assert record.optimizer == 1
+    assert policy.loss_scale == 4.0
+    assert policy.skipped_steps == 1
+    assert policy.consecutive == {1: 1}
     policy.check_guard(record)  # 1 of 2
     policy.record(False, optimizer=0)
     policy.stepped(0)  # another optimizer's clean step does not reset optimizer 1's count
@@ -47,7 +52,8 @@ def test_guard_at_the_minimum_scale_names_the_culprits_lazily():
     record.blame(["a", "b", "c"], torch.tensor([False, True, False]))
     with pytest.raises(NonFiniteGradientError, match=r"minimum loss scale \(2\)") as err:
         policy.check_guard(record)
-    assert "non-finite gradients: b\n" in str(err.value) and record.nonfinite_params == ["b"]
+    assert "non-finite gradients: b\n" in str(err.value)
+    assert record.nonfinite_params == ["b"]
 
 
 def test_a_static_scale_has_no_floor_to_reach():
@@ -63,9 +69,17 @@ def test_state_round_trip_and_the_old_single_counter_format():
     policy.record(True, optimizer=2)
     other = StepPolicy(DynamicLossScaler(), max_consecutive_skips=5)
     assert other.load_state_dict(policy.state_dict()) is None
-    assert other.loss_scale == 8.0 and other.consecutive == {0: 0, 1: 0, 2: 1} and other.steps == 1
-    other.load_state_dict({"scaler": policy.scaler.state_dict(), "skipped_steps": 3, "consecutive_skips": 2, "steps": 7})
-    assert other.consecutive == {0: 2} and other.skipped_steps == 3  # 0.1.0 kept one counter
+    assert other.loss_scale == 8.0
+    assert other.consecutive == {0: 0, 1: 0, 2: 1}
+    assert other.steps == 1
+    other.load_state_dict({
+        "scaler": policy.scaler.state_dict(),
+        "skipped_steps": 3,
+        "consecutive_skips": 2,
+        "steps": 7,
+    })
+    assert other.consecutive == {0: 2}
+    assert other.skipped_steps == 3
     assert "without a loss scaler" in StepPolicy(DynamicLossScaler(), 5).load_state_dict({"scaler": None})
 
 
@@ -125,7 +139,8 @@ def test_fp16_static_scale_masters_equal_an_fp32_replay_and_skips_change_nothing
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     stepped = loop(engine, model, opt, torch.float16, inject={2})
     assert [r.skipped for r in engine.policy.history] == [False, False, True, False, False, False]
-    assert len(stepped) == 5 and opt.state[model[0].weight]["step"].item() == 5
+    assert len(stepped) == 5
+    assert opt.state[model[0].weight]["step"].item() == 5
     replica = [nn.Parameter(t) for t in start]
     ref = torch.optim.Adam(replica, lr=1e-2)
     for grads in stepped:
@@ -154,5 +169,7 @@ def test_step_in_closure_runs_lbfgs_on_the_masters():
 
     for _ in range(3):
         engine.step_in_closure(opt, closure, after=lambda: None)
-    assert len(evaluations) > 3 and evaluations[-1] < 0.8 * evaluations[0]
-    assert engine.policy.steps == 3 and all(m.dtype == torch.float32 for _, _, m in engine.masters.named_masters())
+    assert len(evaluations) > 3
+    assert evaluations[-1] < 0.8 * evaluations[0]
+    assert engine.policy.steps == 3
+    assert all(m.dtype == torch.float32 for _, _, m in engine.masters.named_masters())

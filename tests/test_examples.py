@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
-
-from lightning_mpt._compat import GRAD_DTYPE
 import torch
 from tb_events import all_scalars
+
+from lightning_mpt._compat import GRAD_DTYPE
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -24,6 +24,7 @@ import resnet_synthetic  # noqa: E402
 import run_all  # noqa: E402
 import step_time  # noqa: E402
 import vit_static_vs_dynamic  # noqa: E402
+
 from lightning_mpt import MPTPrecision  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,8 @@ pytestmark = pytest.mark.slow
 
 def test_quickstart(tmp_path: Path) -> None:
     out = quickstart.main(["--steps", "60", "--logdir", str(tmp_path)])
-    assert out["steps"] == 60 and out["skipped_steps"] == 0
+    assert out["steps"] == 60
+    assert out["skipped_steps"] == 0
     assert out["val_acc"] > 0.5  # 8 classes: chance is 0.125
 
 
@@ -48,7 +50,8 @@ def test_resnet_learns_with_fp32_batchnorm(tmp_path: Path) -> None:
 
 def test_bert_finetune_beats_chance(tmp_path: Path) -> None:
     out = bert_finetune.main(["--fast", "--logdir", str(tmp_path)])
-    assert out["steps"] == 100 and out["skipped_steps"] == 0
+    assert out["steps"] == 100
+    assert out["skipped_steps"] == 0
     assert out["last_loss"] < 0.9 * out["first_loss"]
     assert out["val_acc"] > 0.65  # two balanced classes: chance is 0.5
     logged = all_scalars(out["logdir"])
@@ -65,8 +68,10 @@ def test_vit_static_scale_stalls_where_dynamic_trains(tmp_path: Path) -> None:
     assert static["skipped_steps"] >= 0.9 * steps
     assert static["scale_changes"] == [(0, 1024.0)]
     # the dynamic scaler backs off from 2^16 within its first steps, below 1024, then every step is applied
-    assert dynamic["scale_changes"][0] == (0, 2.0**16) and dynamic["final_loss_scale"] < 1024
-    assert dynamic["skipped_steps"] <= 10 and dynamic["last_skipped"] < 10
+    assert dynamic["scale_changes"][0] == (0, 2.0**16)
+    assert dynamic["final_loss_scale"] < 1024
+    assert dynamic["skipped_steps"] <= 10
+    assert dynamic["last_skipped"] < 10
     assert dynamic["last_loss"] < 0.5 * dynamic["first_loss"]
     assert dynamic["last_loss"] < 0.5 * static["last_loss"]
     # the TensorBoard logs tell the same story, one run next to the other
@@ -105,7 +110,8 @@ def test_memory_lightning_precisions(memory: dict[str, dict[str, int]]) -> None:
     n = memory["32-true"]["params"]
     for name, weight_bytes in (("32-true", 4), ("16-mixed", 4), ("bf16-mixed", 4), ("16-true", 2), ("bf16-true", 2)):
         r = memory[name]
-        assert r["weights"] == r["grads"] == weight_bytes * n and r["masters"] == r["master_grads"] == 0
+        assert r["weights"] == r["grads"] == weight_bytes * n
+        assert r["masters"] == r["master_grads"] == 0
         assert 2 * weight_bytes * n <= r["optimizer_state"] <= 2 * weight_bytes * n + 64 * 8
     assert memory["32-true"]["weight_copies"] == 0
     # autocast saves half copies of the fp32 weights in every step's graph
@@ -121,12 +127,30 @@ def test_benchmark_tables(tmp_path: Path) -> None:
     the memory table) on the tiny transformer with every precision, as a GPU run would have them: it runs and prints
     its tables. Timings are not checked."""
     out = run_all.main([
-        "--size", "tiny", "--workloads", "transformer", "--precisions", "all", "--rounds", "2", "--steps", "4",
-        "--warmup", "2", "--no-profile", "--bandwidth-mib", "4", "--quiet", "--out", str(tmp_path / "bench.md"),
+        "--size",
+        "tiny",
+        "--workloads",
+        "transformer",
+        "--precisions",
+        "all",
+        "--rounds",
+        "2",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--no-profile",
+        "--bandwidth-mib",
+        "4",
+        "--quiet",
+        "--out",
+        str(tmp_path / "bench.md"),
     ])
     text = out["markdown"]
     assert (tmp_path / "bench.md").read_text().startswith(text)
-    assert "cores" in text and "torch" in text and "--precisions all" in text  # the machine and the command
+    assert "cores" in text
+    assert "torch" in text
+    assert "--precisions all" in text
     spread = r"-?\d+\.\d+ \[-?\d+\.\d+–-?\d+\.\d+\]"  # median [min–max]
     for name in run_all.step_time.ALL_PRECISIONS:
         assert re.search(rf"^\| {name} \| {spread} \| \d+ \|$", text, re.M), name
@@ -145,18 +169,36 @@ def test_benchmark_tables(tmp_path: Path) -> None:
     assert floors["mpt-bf16"]["bytes"] == 20 * half + 8 * fp32
     assert floors["mpt-fp16"]["bytes"] == 26 * half + 8 * fp32
     # the memory table: half weights with fp32 masters (norm layers stay fp32), and every precision has a row
-    assert mpt["masters"] == 4 * half and mpt["weights"] == 2 * half + 4 * fp32
+    assert mpt["masters"] == 4 * half
+    assert mpt["weights"] == 2 * half + 4 * fp32
     assert len([line for line in text.splitlines() if line.startswith("| transformer |")]) == 8
     nomaster = out["results"]["transformer"]["mpt-bf16-nomaster"]  # MPTPrecision("bf16", master_weights=False)
-    assert nomaster["masters"] == 0 and nomaster["weights"] == mpt["weights"]
+    assert nomaster["masters"] == 0
+    assert nomaster["weights"] == mpt["weights"]
     assert all(len(runs) == 2 for runs in out["runs"]["transformer"].values())
 
 
 def test_step_time_profile() -> None:
     """``step_time.py --profile`` prints the top ops and the step's phases, the plugin's methods among them."""
     out = step_time.main([
-        "--size", "tiny", "--workloads", "transformer", "--precisions", "bf16-true", "mpt-bf16", "--rounds", "1",
-        "--steps", "4", "--warmup", "2", "--no-floor", "--profile", "--profile-steps", "1", "--quiet",
+        "--size",
+        "tiny",
+        "--workloads",
+        "transformer",
+        "--precisions",
+        "bf16-true",
+        "mpt-bf16",
+        "--rounds",
+        "1",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--no-floor",
+        "--profile",
+        "--profile-steps",
+        "1",
+        "--quiet",
     ])
     profile = out["profile"]
     assert "| op | bf16-true | mpt-bf16 |" in profile
@@ -175,24 +217,33 @@ def test_byte_model_and_targets() -> None:
     n = sum(p.numel() for p in model.parameters())
     assert len(half) + len(fp32) == len(list(model.parameters()))  # the LM head shares the embedding: once
     norm = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters())
-    assert sum(math.prod(s) for s in fp32) == norm and sum(math.prod(s) for s in half) == n - norm
+    assert sum(math.prod(s) for s in fp32) == norm
+    assert sum(math.prod(s) for s in half) == n - norm
     bm = step_time.ByteModel(half_params=1000, fp32_params=10, scaling=False)
-    assert bm.total == 20 * 1000 + 8 * 10 and len(bm.components()) == 3
+    assert bm.total == 20 * 1000 + 8 * 10
+    assert len(bm.components()) == 3
     assert step_time.ByteModel(1000, 10, scaling=True).total == 26 * 1000 + 8 * 10
     t = step_time.Target("transformer", "x <= 1.0", step_time.Spread([0.97, 0.99, 1.04]), 1.0)
-    assert t.met and t.verdict() == "met (the spread straddles the limit)"
+    assert t.met
+    assert t.verdict() == "met (the spread straddles the limit)"
     assert step_time.Target("m", "x <= 0.9", step_time.Spread([0.95, 0.93]), 0.9).verdict() == "NOT met"
 
 
 def test_paste_between_markers(tmp_path: Path) -> None:
     """--update pastes each table between its markers, and only there."""
     page = tmp_path / "page.md"
-    page.write_text(f"intro\n{run_all.MARKERS[0]}\nold\n{run_all.MARKERS[1]}\nmiddle\n"
-                    f"{run_all.PROFILE_MARKERS[0]}\nold profile\n{run_all.PROFILE_MARKERS[1]}\noutro\n")
+    page.write_text(
+        f"intro\n{run_all.MARKERS[0]}\nold\n{run_all.MARKERS[1]}\nmiddle\n"
+        f"{run_all.PROFILE_MARKERS[0]}\nold profile\n{run_all.PROFILE_MARKERS[1]}\noutro\n"
+    )
     run_all.paste(page, "| new table |")
     run_all.paste(page, "| new profile |", run_all.PROFILE_MARKERS)
     text = page.read_text()
-    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
-    assert "| new table |\n" in text and "| new profile |\n" in text and "\nmiddle\n" in text
+    assert text.startswith("intro\n")
+    assert text.endswith("outro\n")
+    assert "old" not in text
+    assert "| new table |\n" in text
+    assert "| new profile |\n" in text
+    assert "\nmiddle\n" in text
     with pytest.raises(ValueError, match="expected one"):
         run_all.paste(tmp_path / "page.md", "x", ("<!-- none -->", "<!-- none:end -->"))

@@ -76,7 +76,9 @@ class Recorder:
         self.steps.append([None if p.grad is None else p.grad.detach().clone() for p in params])
 
 
-def replay(initial: list[Tensor], make_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer], steps: list) -> list[Tensor]:
+def replay(
+    initial: list[Tensor], make_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer], steps: list
+) -> list[Tensor]:
     """torch's optimizer on fp32 copies of ``initial``, fed the recorded gradients: the reference for the masters."""
     params = [nn.Parameter(t.detach().clone()) for t in initial]
     optimizer = make_optimizer(params)
@@ -90,12 +92,14 @@ def replay(initial: list[Tensor], make_optimizer: Callable[[list[Tensor]], torch
 def assert_bitwise(got: list[Tensor], want: list[Tensor]) -> None:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
-        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), f"tensor {i} differs: {(a - b).abs().max()}"
+        assert a.dtype == b.dtype == torch.float32, f"tensor {i} is {a.dtype}, {b.dtype}"
+        assert torch.equal(a, b), f"tensor {i} differs: {(a - b).abs().max()}"
 
 
 def assert_halves_are_rounded_masters(model: nn.Module, plugin: MPTPrecision) -> None:
     for name, p, m in plugin.named_masters():
-        assert p.dtype == plugin.half_dtype and torch.equal(p.detach(), m.to(p.dtype)), name
+        assert p.dtype == plugin.half_dtype, name
+        assert torch.equal(p.detach(), m.to(p.dtype)), name
 
 
 def train(
@@ -124,7 +128,12 @@ def train(
 
 
 def setup_run(
-    plugin: Optional[MPTPrecision], make_opt: Callable, seed: int = 0, precision: Optional[str] = None, model_fn=mlp, record: bool = True
+    plugin: Optional[MPTPrecision],
+    make_opt: Callable,
+    seed: int = 0,
+    precision: Optional[str] = None,
+    model_fn=mlp,
+    record: bool = True,
 ):
     fabric = fabric_with(plugin, precision)
     model = model_fn(seed)
@@ -158,7 +167,8 @@ def test_bf16_tracks_32_true_within_bf16_rounding():
     gap = math.sqrt(sum(float((m - r).pow(2).sum()) for m, r in zip(masters, ref)))
     assert moved > 0.5  # it trained
     assert gap < 0.02 * moved  # bf16 forward rounding (2^-8 relative), never a wrong scale or a lost update
-    assert all(m.dtype == torch.float32 for m in masters) and model.module[0].weight.dtype == torch.bfloat16
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert model.module[0].weight.dtype == torch.bfloat16
     assert_halves_are_rounded_masters(model.module, plugin)
 
 
@@ -167,7 +177,8 @@ def test_fp16_static_scale_masters_equal_an_fp32_replay_bitwise(make_opt, grad_d
     plugin = MPTPrecision("fp16", scaler=1024.0)
     fabric, model, opt, recorder, initial = setup_run(plugin, make_opt)
     train(fabric, model, opt, batches(6))
-    assert len(recorder.steps) == 6 and plugin.skipped_steps == 0
+    assert len(recorder.steps) == 6
+    assert plugin.skipped_steps == 0
     reference = mlp(0)  # the first step's gradients in plain fp32: the recorded ones are these, unscaled
     F.mse_loss(reference(batches(1)[0][0]), batches(1)[0][1]).backward()
     for got, want in zip(recorder.steps[0], reference.parameters()):
@@ -175,7 +186,8 @@ def test_fp16_static_scale_masters_equal_an_fp32_replay_bitwise(make_opt, grad_d
     assert_bitwise(plugin.main_params(opt), replay(initial, make_opt, recorder.steps))
     assert_halves_are_rounded_masters(model.module, plugin)
     state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim > 0]
-    assert state and all(v.dtype == torch.float32 for v in state)
+    assert state
+    assert all(v.dtype == torch.float32 for v in state)
 
 
 def test_the_loss_outside_the_model_is_fp32_and_the_forward_runs_in_half():
@@ -185,7 +197,8 @@ def test_the_loss_outside_the_model_is_fp32_and_the_forward_runs_in_half():
     seen = []
     model.module[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     out = model(torch.randn(4, 16))
-    assert seen == [torch.float16] and out.dtype == torch.float32
+    assert seen == [torch.float16]
+    assert out.dtype == torch.float32
     with fabric.autocast():
         assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float16
 
@@ -231,8 +244,10 @@ def test_an_injected_overflow_skips_exactly_those_steps(value):
     for step in range(6):
         assert same(snaps[step], snaps[step + 1]) == (step in inject), step  # a skip changes nothing, a step does
     assert [r.scale for r in plugin.history] == [1024.0, 1024.0, 512.0, 512.0, 512.0, 256.0]
-    assert plugin.loss_scale == 256.0 and plugin.skipped_steps == 2
-    assert plugin.history[1].nonfinite_params == ["3.weight"] and plugin.history[1].loss_finite
+    assert plugin.loss_scale == 256.0
+    assert plugin.skipped_steps == 2
+    assert plugin.history[1].nonfinite_params == ["3.weight"]
+    assert plugin.history[1].loss_finite
     assert plugin.history[2].nonfinite_params == []
     assert [float(st["step"]) for st in opt.state.values()][0] == 4  # Adam counted the 4 steps taken only
     assert_bitwise(plugin.main_params(opt), replay(initial, adam, recorder.steps))
@@ -250,11 +265,16 @@ def test_a_non_finite_loss_in_bf16_skips_and_the_guard_names_the_culprits():
             fabric.clip_gradients(model, opt, max_norm=1.0)  # no error on the non-finite norm: the step is skipped
             opt.step()
             opt.zero_grad()
-    assert plugin.skipped_steps == 3 and not plugin.history[-1].loss_finite
+    assert plugin.skipped_steps == 3
+    assert not plugin.history[-1].loss_finite
     message = str(err.value)
-    assert "3 optimizer steps in a row" in message and "NON-FINITE" in message and "0.weight" in message
+    assert "3 optimizer steps in a row" in message
+    assert "NON-FINITE" in message
+    assert "0.weight" in message
 
 
+@pytest.mark.ddp
+@pytest.mark.slow
 def test_ddp_an_inf_on_one_rank_skips_the_step_on_both(tmp_path):
     out = tmp_path / "ddp"
     out.mkdir()
@@ -269,13 +289,18 @@ def test_ddp_an_inf_on_one_rank_skips_the_step_on_both(tmp_path):
         for key in ("scale", "skipped", "masters_sha1", "weights_sha1", "state_sha1", "loss_scale_after", "bytes"):
             assert a[key] == b[key], (a["step"], key)  # the ranks started from different weights: the masters synced
     assert [r["skipped"] for r in rank0] == [False, False, False, True, False, False]
-    assert rank1[3]["culprits"] == ["2.weight"] and rank0[3]["culprits"] == []  # culprits are each rank's own
+    assert rank1[3]["culprits"] == ["2.weight"]
+    assert rank0[3]["culprits"] == []
     for key in ("masters_sha1", "weights_sha1", "state_sha1"):
-        assert rank0[3][key] == rank0[2][key] and rank0[4][key] != rank0[3][key]
+        assert rank0[3][key] == rank0[2][key]
+        assert rank0[4][key] != rank0[3][key]
     assert rank0[4]["scale"] == rank0[3]["scale"] / 2
-    assert rank0[0]["param_dtypes"] == ["torch.float16"] and rank0[0]["state_dtypes"] == ["torch.float32"]
+    assert rank0[0]["param_dtypes"] == ["torch.float16"]
+    assert rank0[0]["state_dtypes"] == ["torch.float32"]
     params = 16 * 32 + 32 + 32 * 4 + 4
-    assert [r["bytes"] for r in rank0] == [2 * params] * 6  # half gradients, all-reduced once per step (no_backward_sync)
+    assert [r["bytes"] for r in rank0] == [
+        2 * params
+    ] * 6  # half gradients, all-reduced once per step (no_backward_sync)
 
 
 # ---------------------------------------------------------------------------------------------------- 3. clipping
@@ -299,7 +324,9 @@ def test_clip_gradients_clips_the_unscaled_gradients_like_32_true(clip, precisio
     data = batches(4)
 
     def run(plugin, precision=None, clip=clip):
-        fabric, model, opt, recorder, initial = setup_run(plugin, lambda p: torch.optim.SGD(p, lr=0.1), precision=precision)
+        fabric, model, opt, recorder, initial = setup_run(
+            plugin, lambda p: torch.optim.SGD(p, lr=0.1), precision=precision
+        )
         norms = train(fabric, model, opt, data, clip=clip)
         final = [p.detach() for p in fabric.strategy.precision.main_params(opt)]
         moved = math.sqrt(sum(float((f - i).pow(2).sum()) for f, i in zip(final, initial)))
@@ -329,9 +356,11 @@ def test_the_module_gradients_show_the_unscaled_values_and_after_the_step_the_cl
     weight = model.module[0].weight
     biggest = float(weight.grad.abs().max())
     if grad_dtype == "grads-fp32":  # the parameter carries the master gradient itself: unscaled and clipped
-        assert weight.grad.dtype == torch.float32 and biggest <= 1e-3 * (1 + 1e-6)
+        assert weight.grad.dtype == torch.float32
+        assert biggest <= 1e-3 * (1 + 1e-6)
     else:  # a half copy, unscaled (a gradient scaled by 1024 would be far larger); Fabric clipped the masters
-        assert weight.grad.dtype == torch.float16 and 1e-3 < biggest < 1
+        assert weight.grad.dtype == torch.float16
+        assert 1e-3 < biggest < 1
     opt.step()
     assert float(weight.grad.abs().max()) <= 1e-3 * (1 + 2**-10)  # after the step: what was stepped, in its format
     assert torch.equal(weight.grad, recorder.steps[0][0].to(weight.grad.dtype))
@@ -363,14 +392,21 @@ def test_clip_gradients_on_an_overflow_step_does_not_raise_and_the_step_is_skipp
     fabric, model, opt, _, _ = setup_run(plugin, sgd)
     norms = train(fabric, model, opt, batches(3), clip={"max_norm": 1.0}, inject={1: math.inf})
     assert [r.skipped for r in plugin.history] == [False, True, False]
-    assert float(norms[1]) == 0.0 and all(0 < float(n) < 10 for n in (norms[0], norms[2]))
+    assert float(norms[1]) == 0.0
+    assert all(0 < float(n) < 10 for n in (norms[0], norms[2]))
     assert plugin.history[1].nonfinite_params == ["0.weight"]  # taken before the gradients were dropped
 
 
 # ---------------------------------------------------------------------------------------------------- 4. checkpoints
 
 
-def resumable_run(steps: list[tuple[Tensor, Tensor]], seed: int, plugin: MPTPrecision, fabric_state_from: Optional[Path] = None, adopt: bool = True):
+def resumable_run(
+    steps: list[tuple[Tensor, Tensor]],
+    seed: int,
+    plugin: MPTPrecision,
+    fabric_state_from: Optional[Path] = None,
+    adopt: bool = True,
+):
     fabric = fabric_with(plugin)
     model = mlp(seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -404,10 +440,14 @@ def test_save_then_load_into_a_fresh_fabric_resumes_bitwise(tmp_path):
     fabric, _, _, state = resumable_run(data[:4], 0, first)
     fabric.save(tmp_path / "ckpt.pt", state)
     second = MPTPrecision("fp16", scaler=scaler())
-    _, model, opt, state = resumable_run(data[4:], 1, second, tmp_path / "ckpt.pt")  # another init: all comes from the file
+    _, model, opt, state = resumable_run(
+        data[4:], 1, second, tmp_path / "ckpt.pt"
+    )  # another init: all comes from the file
 
-    assert state["step"] == 8 and second.skipped_steps == full.skipped_steps == 1
-    assert second.loss_scale == full.loss_scale and second.scaler.state_dict() == full.scaler.state_dict()
+    assert state["step"] == 8
+    assert second.skipped_steps == full.skipped_steps == 1
+    assert second.loss_scale == full.loss_scale
+    assert second.scaler.state_dict() == full.scaler.state_dict()
     assert_bitwise(second.main_params(opt), full.main_params(full_opt))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), full_model.parameters()))
     full_state, state_ = (opt.state_dict()["state"] for opt in (full_opt, opt))
@@ -421,7 +461,8 @@ def test_the_checkpoint_holds_fp32_masters_that_load_into_a_plain_model(tmp_path
     fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt, "mpt": plugin})
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert all(v.dtype == torch.float32 for v in ckpt["model"].values())
-    assert ckpt["mpt"]["scaler"]["scale"] == 1024.0 and ckpt["mpt"]["steps"] == 2
+    assert ckpt["mpt"]["scaler"]["scale"] == 1024.0
+    assert ckpt["mpt"]["steps"] == 2
     plain = mlp(5)
     plain.load_state_dict(ckpt["model"])  # strict: same names, fp32
     assert_bitwise(list(plain.parameters()), plugin.main_params(opt))
@@ -448,7 +489,8 @@ def test_restore_gives_back_an_fp32_module_holding_the_masters():
     assert model.state_dict()["0.weight"].dtype == torch.float32  # while converted, state_dict() holds the masters
     fabric.strategy.teardown()  # Fabric's teardown reaches plugin.restore()
     assert_bitwise([p.detach() for p in model.module.parameters()], masters)
-    assert list(plugin.named_masters()) == [] and len(plugin.history) == 3
+    assert list(plugin.named_masters()) == []
+    assert len(plugin.history) == 3
     assert model(torch.randn(2, 16)).dtype == torch.float32
 
 
@@ -461,13 +503,33 @@ def test_a_second_module_is_refused_with_a_clear_error():
 
 def test_the_public_attributes_are_the_trainer_plugins():
     def public(cls: type) -> set[str]:
-        return {n for c in cls.__mro__ if c.__module__.startswith("lightning_mpt") for n in vars(c) if not n.startswith("_")}
+        return {
+            n for c in cls.__mro__ if c.__module__.startswith("lightning_mpt") for n in vars(c) if not n.startswith("_")
+        }
 
-    names = {"loss_scale", "skipped_steps", "last_step_skipped", "history", "last_step", "scaler", "backward_scale",
-             "half_dtype", "master_of", "named_masters", "main_params", "state_dict", "load_state_dict"}
-    assert names <= public(MPTPrecision) and names <= public(TrainerMPTPrecision)
+    names = {
+        "loss_scale",
+        "skipped_steps",
+        "last_step_skipped",
+        "history",
+        "last_step",
+        "scaler",
+        "backward_scale",
+        "half_dtype",
+        "master_of",
+        "named_masters",
+        "main_params",
+        "state_dict",
+        "load_state_dict",
+    }
+    assert names <= public(MPTPrecision)
+    assert names <= public(TrainerMPTPrecision)
     trainer, fabric = TrainerMPTPrecision("fp16"), MPTPrecision("fp16")
-    assert (fabric.precision, fabric.half_dtype, fabric.loss_scale) == (trainer.precision, trainer.half_dtype, trainer.loss_scale)
+    assert (fabric.precision, fabric.half_dtype, fabric.loss_scale) == (
+        trainer.precision,
+        trainer.half_dtype,
+        trainer.loss_scale,
+    )
     assert fabric.state_dict() == trainer.state_dict()  # a checkpoint of either loads into the other
 
 
@@ -529,7 +591,7 @@ def test_two_optimizers_each_step_and_skip_on_their_own():
 
 
 class IgnoresClosure(torch.optim.SGD):
-    def step(self, closure=None):  # noqa: ARG002
+    def step(self, closure=None):
         return super().step()
 
 
@@ -568,6 +630,7 @@ def test_closures_custom_optimizers_and_construction_time_state(make_opt):
     fabric, model, opt, recorder, initial = setup_run(plugin, make_opt)
     calls = []
     for x, y in batches(4):
+
         def closure() -> Tensor:
             calls.append(1)
             opt.zero_grad()
@@ -578,7 +641,9 @@ def test_closures_custom_optimizers_and_construction_time_state(make_opt):
         returned = opt.step(closure)
         # what the optimizer returns: the closure's loss (torch's optimizers), or nothing (the one that ignores it)
         assert returned is None if isinstance(opt, IgnoresClosure) else torch.is_tensor(returned)
-    assert len(calls) == 4 and plugin.skipped_steps == 0 and len(recorder.steps) == 4
+    assert len(calls) == 4
+    assert plugin.skipped_steps == 0
+    assert len(recorder.steps) == 4
     assert_bitwise(plugin.main_params(opt), replay(initial, make_opt, recorder.steps))
 
 
@@ -589,6 +654,7 @@ def test_lbfgs_needs_bf16_and_then_tracks_32_true():
             plugin, lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=4), precision=precision, record=False
         )
         for x, y in batches(2):
+
             def closure() -> Tensor:
                 opt.zero_grad()
                 loss = F.mse_loss(model(x), y)
@@ -603,7 +669,8 @@ def test_lbfgs_needs_bf16_and_then_tracks_32_true():
     (got, initial), (ref, _) = run(MPTPrecision("bf16")), run(None, "32-true")
     moved = math.sqrt(sum(float((r - i).pow(2).sum()) for r, i in zip(ref, initial)))
     gap = math.sqrt(sum(float((g - r).pow(2).sum()) for g, r in zip(got, ref)))
-    assert moved > 0.1 and gap < 0.05 * moved
+    assert moved > 0.1
+    assert gap < 0.05 * moved
 
 
 class Tied(nn.Module):
@@ -630,7 +697,8 @@ def test_tied_weights_have_one_master_saved_under_both_names():
         opt.zero_grad()
     assert [n for n, _, _ in plugin.named_masters()] == ["embed.weight", "mid.weight", "mid.bias"]
     state = model.state_dict()
-    assert state["embed.weight"].dtype == torch.float32 and torch.equal(state["out.weight"], state["embed.weight"])
+    assert state["embed.weight"].dtype == torch.float32
+    assert torch.equal(state["out.weight"], state["embed.weight"])
     assert_bitwise(plugin.main_params(opt), replay(initial, adam, recorder.steps))
 
 
@@ -654,9 +722,8 @@ def test_sharded_strategies_and_other_optimizer_objects_are_refused():
     plugin.convert_module(mlp())
     module = plugin._module
     module[0].weight = nn.Parameter(module[0].weight.detach().clone())  # what a sharding strategy does to parameters
-    with pytest.raises(ValueError, match="DDP family"):
-        with plugin.forward_context():
-            pass
+    with pytest.raises(ValueError, match="DDP family"), plugin.forward_context():
+        pass
     plugin = MPTPrecision("fp16")
     with pytest.raises(ValueError, match="torch optimizers"):
         plugin.optimizer_step(object())
@@ -673,18 +740,24 @@ def parallelize(module, mesh):
     fully_shard(module, mesh=mesh["data_parallel"])
     return module
 
-fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ModelParallelStrategy(parallelize), plugins=[MPTPrecision("fp16")])
+strategy = ModelParallelStrategy(parallelize)
+fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[MPTPrecision("fp16")])
 fabric.launch()
 model = fabric.setup_module(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
 model(torch.randn(2, 4))
 """
 
 
+@pytest.mark.slow
 def test_model_parallel_strategy_fsdp2_is_refused_at_the_first_forward(tmp_path):
     """A real ``ModelParallelStrategy`` (FSDP2, one CPU process): in a subprocess, its process group stays there."""
     script = tmp_path / "model_parallel.py"
     script.write_text(MODEL_PARALLEL)
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode != 0
     assert "ValueError: MPTPrecision: the module's parameters were replaced" in result.stderr, result.stderr[-3000:]
@@ -694,6 +767,7 @@ def test_model_parallel_strategy_fsdp2_is_refused_at_the_first_forward(tmp_path)
 # ---------------------------------------------------------------------------------------------------- 6. the example
 
 
+@pytest.mark.slow
 def test_litgpt_example_runs_in_fast_mode(tmp_path):
     if not os.environ.get("CI"):
         pytest.importorskip("litgpt", reason="litgpt is in the dev extra: pip install -e '.[dev]'")
@@ -703,7 +777,8 @@ def test_litgpt_example_runs_in_fast_mode(tmp_path):
     out = litgpt_fabric.main(["--fast", "--logdir", str(tmp_path)])
     mpt, ref = out["mpt-fp16"], out["bf16-mixed"]
     assert mpt["steps"] == ref["steps"] > 0
-    assert mpt["last_loss"] < 0.8 * mpt["first_loss"] and ref["last_loss"] < 0.8 * ref["first_loss"]  # both learn
+    assert mpt["last_loss"] < 0.8 * mpt["first_loss"]
+    assert ref["last_loss"] < 0.8 * ref["first_loss"]
     assert abs(mpt["last_loss"] - ref["last_loss"]) < 0.15 * ref["last_loss"]  # and about as well
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

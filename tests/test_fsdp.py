@@ -24,6 +24,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from lightning_mpt import MPTPrecision
 from lightning_mpt.fsdp import ShardedMasters, check_sharding, is_sharded
 
+pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 WORKER = HERE / "fsdp_worker.py"
@@ -84,17 +86,23 @@ def test_bf16_transformer_matches_lightning_bf16_mixed_and_ddp(training):
 
 def test_fp16_dynamic_scale_matches_ddp_and_lightning(training):
     for rank in (0, 1):
-        mpt, ddp, lightning = (rows(training, f"mlp-{r}", rank) for r in ("fsdp-mpt16", "ddp-mpt16", "fsdp-lightning16"))
+        mpt, ddp, lightning = (
+            rows(training, f"mlp-{r}", rank) for r in ("fsdp-mpt16", "ddp-mpt16", "fsdp-lightning16")
+        )
         assert [r["batch"] for r in mpt] == [r["batch"] for r in ddp]
         # the scale moved: it started too high (overflows, skipped steps), backed off, then grew
         scales = [r["scale"] for r in mpt]
-        assert scales[0] == 2.0**20 and min(scales) < 2.0**20 and any(b > a for a, b in zip(scales, scales[1:]))
-        assert any(r["skipped"] for r in mpt) and not all(r["skipped"] for r in mpt)
+        assert scales[0] == 2.0**20
+        assert min(scales) < 2.0**20
+        assert any(b > a for a, b in zip(scales, scales[1:]))
+        assert any(r["skipped"] for r in mpt)
+        assert not all(r["skipped"] for r in mpt)
         # the same steps skipped and the same scale as DDP and as Lightning's GradScaler on the same sharding
         assert [(r["scale"], r["skipped"]) for r in mpt] == [(r["scale"], r["skipped"]) for r in ddp]
         assert [r["loss_scale"] for r in mpt] == [r["scale"] for r in lightning]  # the scale after each step
         for a, b, c in zip(mpt, ddp, lightning):
-            assert rel(a["loss"], b["loss"]) < 2**-10 and rel(a["loss"], c["loss"]) < 0.005
+            assert rel(a["loss"], b["loss"]) < 2**-10
+            assert rel(a["loss"], c["loss"]) < 0.005
 
 
 def test_gradient_accumulation_decides_once_per_optimizer_step(training):
@@ -122,7 +130,8 @@ def test_masters_are_the_sharded_fp32_parameters_and_compute_is_half(training):
             assert {seen["compute"][k] for k in seen["compute"] if "Linear" in k} == {half}
             assert {seen["compute"][k] for k in seen["compute"] if "LayerNorm" in k} == {"torch.float32"}
     ddp = read(training, "seq-ddp-mpt", 0)
-    assert ddp["param_types"] == ["Parameter"] and ddp["compute"]["Linear"] == "torch.bfloat16"
+    assert ddp["param_types"] == ["Parameter"]
+    assert ddp["compute"]["Linear"] == "torch.bfloat16"
     # a norm layer left in its block's group is all-gathered in the half format with it
     halfnorms = read(training, "mlp-fsdp-mpt16-halfnorms", 0)["compute"]
     assert halfnorms["LayerNorm"] == "torch.float16"
@@ -144,16 +153,21 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both(training):
     assert len(rank0) == len(rank1) == 8
     for a, b in zip(rank0, rank1):
         assert (a["scale"], a["skipped"], a["skipped_steps"], a["loss_scale"]) == (
-            b["scale"], b["skipped"], b["skipped_steps"], b["loss_scale"]
+            b["scale"],
+            b["skipped"],
+            b["skipped_steps"],
+            b["loss_scale"],
         )
     assert [r["skipped"] for r in rank0] == [False, False, False, True, False, False, False, False]
     assert [r["last_step_skipped"] for r in rank0] == [r["skipped"] for r in rank0]
     assert [r["history"] for r in rank0] == list(range(1, 9))  # plugin.history: one record per optimizer step
     skipped = rank0[3]
     assert skipped["culprits"] == rank1[3]["culprits"] == ["model.0.weight"]  # the original parameter name
-    assert rank0[4]["scale"] == skipped["scale"] / 2 and rank0[-1]["skipped_steps"] == 1
+    assert rank0[4]["scale"] == skipped["scale"] / 2
+    assert rank0[-1]["skipped_steps"] == 1
     for rank_rows in (rank0, rank1):  # the skipped step changed neither the masters nor the optimizer state
-        assert rank_rows[3]["masters"] == rank_rows[2]["masters"] and rank_rows[3]["state"] == rank_rows[2]["state"]
+        assert rank_rows[3]["masters"] == rank_rows[2]["masters"]
+        assert rank_rows[3]["state"] == rank_rows[2]["state"]
         assert rank_rows[4]["masters"] != rank_rows[3]["masters"]
 
 
@@ -171,7 +185,8 @@ def test_clipping_acts_on_the_unscaled_gradients_over_all_shards(training):
     for (before, after, _), (ddp_before, ddp_after, _) in zip(fsdp, ddp):
         assert 0.5 < before < 10  # the true gradient norm, not one multiplied by the fp16 loss scale (2^16)
         assert rel(before, ddp_before) < 1e-3  # the total norm over all shards is DDP's norm of the whole gradient
-        assert after == pytest.approx(0.05, rel=1e-4) and ddp_after == pytest.approx(0.05, rel=1e-4)
+        assert after == pytest.approx(0.05, rel=1e-4)
+        assert ddp_after == pytest.approx(0.05, rel=1e-4)
     for rank in (0, 1):
         by_value = read(training, "clip-fsdp-value", rank)["norms"]
         assert all(max_abs == pytest.approx(0.002) and before > after for before, after, max_abs in by_value)
@@ -184,12 +199,18 @@ def test_clipping_acts_on_the_unscaled_gradients_over_all_shards(training):
 def test_resume_is_bitwise_identical_to_the_uninterrupted_run(checkpoints, kind):
     for rank in (0, 1):
         straight, resumed = rows(checkpoints, f"straight-{kind}", rank), rows(checkpoints, f"resumed-{kind}", rank)
-        assert len(straight) == 12 and [r["step"] for r in resumed] == list(range(7, 13))
+        assert len(straight) == 12
+        assert [r["step"] for r in resumed] == list(range(7, 13))
         assert [r["skipped"] for r in straight[:6]] == [False, True, False, False, False, True]  # saved after a skip
         assert len({r["scale"] for r in straight}) >= 3  # the scale moved across the save
         for a, b in zip(straight[6:], resumed):
             assert (a["masters"], a["state"], a["scale"], a["skipped"], a["skipped_steps"], a["loss"]) == (
-                b["masters"], b["state"], b["scale"], b["skipped"], b["skipped_steps"], b["loss"]
+                b["masters"],
+                b["state"],
+                b["scale"],
+                b["skipped"],
+                b["skipped_steps"],
+                b["loss"],
             )
 
 
@@ -197,12 +218,15 @@ def test_checkpoints_hold_fp32_masters_and_the_plugin_state(checkpoints):
     full = json.loads((checkpoints / "full-file" / "rank0.json").read_text())
     assert {dtype for dtype, _ in full["state_dict"].values()} == {"torch.float32"}
     assert full["state_dict"]["model.0.weight"][1] == [32, 16]  # full (gathered) tensors, original names
-    assert full["plugin"]["skipped_steps"] == 2 and full["plugin"]["steps"] == 6
+    assert full["plugin"]["skipped_steps"] == 2
+    assert full["plugin"]["steps"] == 6
     assert full["scaler"]["hysteresis_tracker"] == 1  # the skip right before the save is pending in the hysteresis
     sharded = json.loads((checkpoints / "sharded-files" / "rank0.json").read_text())
     # Lightning's distributed checkpoint: one file of shards per rank, the rest (the plugin's state) in meta.pt
     assert sharded["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    assert "MPTPrecision" in sharded["meta"] and "state_dict" not in sharded["meta"] and sharded["plugin_steps"] == 6
+    assert "MPTPrecision" in sharded["meta"]
+    assert "state_dict" not in sharded["meta"]
+    assert sharded["plugin_steps"] == 6
 
 
 def test_a_full_checkpoint_loads_into_a_ddp_model_and_back(checkpoints):
@@ -220,7 +244,8 @@ def test_a_model_created_on_the_meta_device_is_sharded_and_trains(checkpoints):
         result = json.loads((checkpoints / "meta-init-result" / f"rank{rank}.json").read_text())
         assert result == {"was_meta": True, "keys_equal": True, "types": ["DTensor torch.float32"]}
         trained = rows(checkpoints, "meta-init", rank)
-        assert len(trained) == 3 and len({r["masters"] for r in trained}) == 3
+        assert len(trained) == 3
+        assert len({r["masters"] for r in trained}) == 3
 
 
 def test_a_configure_model_that_shards_nothing_is_refused(checkpoints):
@@ -237,8 +262,17 @@ def test_a_configure_model_that_shards_nothing_is_refused(checkpoints):
 def test_memory_breakdown_fsdp_per_rank(tmp_path):
     """Item 4 and 5: bytes per parameter per rank at the optimizer step, and bytes through the collectives."""
     out = tmp_path / "memory.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "memory_breakdown.py"), "--strategy", "fsdp", "--fast",
-           "--logdir", str(tmp_path / "runs"), "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "memory_breakdown.py"),
+        "--strategy",
+        "fsdp",
+        "--fast",
+        "--logdir",
+        str(tmp_path / "runs"),
+        "--json",
+        str(out),
+    ]
     launch(tmp_path, cmd, [out, Path(f"{out}.rank1")])
     log = (tmp_path / "log.txt").read_text()
     assert "| mpt-fp16 | 2.00 | 2.00 | 4.00 | 8.00 | 0.00 |" in log  # the table, on rank 0
@@ -249,27 +283,39 @@ def test_memory_breakdown_fsdp_per_rank(tmp_path):
             r = results[name]
             n = r["params"]
             # fp32 masters (the shards), fp32 gradient shards and AdamW's two moments, each divided by the world size
-            assert r["weights"] == pytest.approx(4 * n / 2, abs=64) and r["masters"] == 0
-            assert r["grads"] == pytest.approx(4 * n / 2, abs=64) and r["master_grads"] == 0
+            assert r["weights"] == pytest.approx(4 * n / 2, abs=64)
+            assert r["masters"] == 0
+            assert r["grads"] == pytest.approx(4 * n / 2, abs=64)
+            assert r["master_grads"] == 0
             assert r["optimizer_state"] == pytest.approx(8 * n / 2, abs=64 * 8)
             assert r["gathered_at_step"] == 0  # the half compute copy is gone at the optimizer step
         for name in ("mpt-fp16", "mpt-bf16"):
             r = results[name]
             assert 0 < r["gathered_peak"] <= 2 * r["params"]  # it existed, in the half format, during the forward
             # half the bytes of an fp32 FSDP2 run through the all-gathers and the reduce-scatters
-            assert r["all_gather"] * 2 == fp32["all_gather"] and r["reduce_scatter"] * 2 == fp32["reduce_scatter"]
+            assert r["all_gather"] * 2 == fp32["all_gather"]
+            assert r["reduce_scatter"] * 2 == fp32["reduce_scatter"]
             assert r["reduce_scatter"] == 2 * r["params"]  # every rank sends its whole half gradient
             assert r["all_reduce"] <= 64  # the step decision: a couple of flags
 
 
 def test_fsdp_transformer_example(tmp_path):
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "fsdp_transformer.py"), "--fast", "--logdir", str(tmp_path / "runs"),
-           "--summary", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "fsdp_transformer.py"),
+        "--fast",
+        "--logdir",
+        str(tmp_path / "runs"),
+        "--summary",
+        str(out),
+    ]
     launch(tmp_path, cmd, [out])
     summary = json.loads(out.read_text())
-    assert summary["steps"] == 30 and summary["last_loss"] < 0.8 * summary["first_loss"]
-    assert summary["masters"] == "DTensor torch.float32" and summary["strategy"] == "ModelParallelStrategy"
+    assert summary["steps"] == 30
+    assert summary["last_loss"] < 0.8 * summary["first_loss"]
+    assert summary["masters"] == "DTensor torch.float32"
+    assert summary["strategy"] == "ModelParallelStrategy"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(summary["logdir"], size_guidance={"scalars": 0})
@@ -354,7 +400,9 @@ def test_sharded_masters_skip_a_non_finite_step_and_name_the_parameter(one_proce
     fp16 = MixedPrecisionPolicy(param_dtype=torch.float16)
     fully_shard(model.block, mp_policy=fp16)
     fully_shard(model, mp_policy=fp16)
-    engine = MixedPrecisionEngine(torch.float16, DynamicLossScaler(init_scale=8.0), masters=ShardedMasters(torch.float16))
+    engine = MixedPrecisionEngine(
+        torch.float16, DynamicLossScaler(init_scale=8.0), masters=ShardedMasters(torch.float16)
+    )
     engine.convert(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -368,9 +416,11 @@ def test_sharded_masters_skip_a_non_finite_step_and_name_the_parameter(one_proce
     assert torch.equal(model.head.weight.grad.full_tensor(), scaled / 8)  # unscaled in place
     engine.finish(optimizer, pending)
     record = engine.policy.history[-1]
-    assert record.skipped and record.nonfinite_params == ["block.0.bias"]
+    assert record.skipped
+    assert record.nonfinite_params == ["block.0.bias"]
     assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters()))
-    assert optimizer.state == {} and engine.policy.loss_scale == 4.0
+    assert optimizer.state == {}
+    assert engine.policy.loss_scale == 4.0
 
 
 def test_fsdp1_is_refused_naming_what_is_supported():

@@ -52,7 +52,11 @@ EPOCHS, BATCHES, VOCAB, DIM = 3, 4, 12, 8
 OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any], tuple[str, ...]]] = {
     # name: (class, hyper-parameters, variants the CPU supports)
     "sgd": (torch.optim.SGD, {"lr": 0.1}, ("default", "foreach", "fused")),
-    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-2}, ("default", "foreach", "fused")),
+    "sgd_momentum": (
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-2},
+        ("default", "foreach", "fused"),
+    ),
     "adam": (torch.optim.Adam, {"lr": 1e-2}, ("default", "foreach", "fused")),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, ("default", "foreach", "fused")),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}, ("default", "foreach", "fused")),
@@ -261,7 +265,8 @@ class Replay(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         plugin = trainer.precision_plugin
         self.epoch_masters[trainer.current_epoch] = {
-            n: plugin.master_of(p).detach().clone() for n, p in module.state_dict(keep_vars=True).items()
+            n: plugin.master_of(p).detach().clone()
+            for n, p in module.state_dict(keep_vars=True).items()
             if isinstance(p, nn.Parameter)
         }
 
@@ -275,7 +280,9 @@ def snapshot(trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> d
         "masters": [plugin.master_of(p).detach().clone() for p in params],
         "state": [
             {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
-            for g in optimizer.param_groups for p in g["params"] if p in optimizer.state
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p in optimizer.state
         ],
     }
 
@@ -328,15 +335,19 @@ def check(setup: Setup, extra: tuple[L.Callback, ...] = ()) -> None:
                 assert lrs == pytest.approx([b * 0.9**k for b in base[first : first + len(lrs)]], rel=1e-6), setup
         # (iv) after fit: an fp32 module equal to the replay
         for p in model.parameters():
-            assert p.dtype == torch.float32 and torch.equal(p.detach(), replay.copy_of[id(p)].detach()), setup
+            assert p.dtype == torch.float32, setup
+            assert torch.equal(p.detach(), replay.copy_of[id(p)].detach()), setup
         # (v) checkpoints hold the masters, in fp32
         for epoch, masters in replay.epoch_masters.items():
             saved = torch.load(root / "straight" / f"epoch={epoch}.ckpt", weights_only=False)["state_dict"]
             for name, master in masters.items():
-                assert saved[name].dtype == torch.float32 and torch.equal(saved[name], master), (setup, name)
+                assert saved[name].dtype == torch.float32, (setup, name)
+                assert torch.equal(saved[name], master), (setup, name)
         # (vi) resume at an epoch boundary: bitwise the uninterrupted run
         if setup.resume_epoch is not None:
-            resumed, _, _ = train(setup, root / "resumed", ckpt_path=root / "straight" / f"epoch={setup.resume_epoch}.ckpt")
+            resumed, _, _ = train(
+                setup, root / "resumed", ckpt_path=root / "straight" / f"epoch={setup.resume_epoch}.ckpt"
+            )
             for a, b in zip(model.parameters(), resumed.parameters()):
                 assert torch.equal(a, b), setup
 
@@ -357,10 +368,70 @@ def test_every_step_matches_an_independent_fp32_replay(setup: Setup) -> None:
     "setup",
     [
         # examples worth keeping whatever Hypothesis draws: each combines features that interact
-        Setup("adagrad", "fused", "auto", 3, ("norm", 1e-3), True, True, True, True, True, frozenset({1}), 0, "fp16-dynamic", 1),
-        Setup("adamw", "foreach", "manual2", 1, ("value", 0.02), False, True, False, True, True, frozenset({0, 3}), 1, "fp16-static", 2),
-        Setup("sgd_momentum", "default", "manual1", 1, ("norm", 0.5), False, False, True, True, True, frozenset({2}), 0, "bf16", 3),
-        Setup("radam", "foreach", "auto", 4, None, True, False, False, False, True, frozenset({0, 1}), 1, "fp16-dynamic", 4),
+        Setup(
+            "adagrad",
+            "fused",
+            "auto",
+            3,
+            ("norm", 1e-3),
+            True,
+            True,
+            True,
+            True,
+            True,
+            frozenset({1}),
+            0,
+            "fp16-dynamic",
+            1,
+        ),
+        Setup(
+            "adamw",
+            "foreach",
+            "manual2",
+            1,
+            ("value", 0.02),
+            False,
+            True,
+            False,
+            True,
+            True,
+            frozenset({0, 3}),
+            1,
+            "fp16-static",
+            2,
+        ),
+        Setup(
+            "sgd_momentum",
+            "default",
+            "manual1",
+            1,
+            ("norm", 0.5),
+            False,
+            False,
+            True,
+            True,
+            True,
+            frozenset({2}),
+            0,
+            "bf16",
+            3,
+        ),
+        Setup(
+            "radam",
+            "foreach",
+            "auto",
+            4,
+            None,
+            True,
+            False,
+            False,
+            False,
+            True,
+            frozenset({0, 1}),
+            1,
+            "fp16-dynamic",
+            4,
+        ),
     ],
     ids=["adagrad-accumulate-clip-all", "adamw-two-optimizers", "sgd-manual-bf16", "radam-accumulate-4"],
 )

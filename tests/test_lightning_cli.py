@@ -45,8 +45,10 @@ def test_yaml_config_builds_the_plugin_and_trains(tmp_path):
     run_dir = tmp_path / "run"
     cli = LightningCLI(TinyMLP, Data, args=["fit", "--config", str(path), f"--trainer.default_root_dir={run_dir}"])
     plugin = cli.trainer.precision_plugin
-    assert isinstance(plugin, MPTPrecision) and isinstance(plugin.scaler, DynamicLossScaler)
-    assert plugin.scaler.growth_interval == 100 and plugin.max_consecutive_skips == 7
+    assert isinstance(plugin, MPTPrecision)
+    assert isinstance(plugin.scaler, DynamicLossScaler)
+    assert plugin.scaler.growth_interval == 100
+    assert plugin.max_consecutive_skips == 7
     assert plugin.history[0].scale == 1024.0
     assert cli.trainer.global_step == 3
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())  # the config LightningCLI saved round-trips
@@ -57,26 +59,53 @@ def test_static_scale_from_the_command_line(tmp_path):
     cli = LightningCLI(
         TinyMLP,
         Data,
-        args=["fit", "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
-              "--trainer.plugins=lightning_mpt.MPTPrecision", "--trainer.plugins.precision=fp16",
-              "--trainer.plugins.scaler=512.0", f"--trainer.default_root_dir={tmp_path}"],
+        args=[
+            "fit",
+            "--trainer.max_steps=2",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.plugins=lightning_mpt.MPTPrecision",
+            "--trainer.plugins.precision=fp16",
+            "--trainer.plugins.scaler=512.0",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
     )
     plugin = cli.trainer.precision_plugin
-    assert plugin.scaler.is_static and plugin.loss_scale == 512.0
+    assert plugin.scaler.is_static
+    assert plugin.loss_scale == 512.0
 
 
 def test_help_shows_the_plugin_arguments(capsys):
     with pytest.raises(SystemExit):
         LightningCLI(TinyMLP, Data, args=["fit", "--trainer.plugins.help", "lightning_mpt.MPTPrecision"])
     out = capsys.readouterr().out
-    for arg in ["precision {fp16,bf16}", "--trainer.plugins.scaler", "master_weights", "keep_fp32", "max_consecutive_skips"]:
+    for arg in [
+        "precision {fp16,bf16}",
+        "--trainer.plugins.scaler",
+        "master_weights",
+        "keep_fp32",
+        "max_consecutive_skips",
+    ]:
         assert arg in out
     with pytest.raises(SystemExit):
         LightningCLI(
             TinyMLP,
             Data,
-            args=["fit", "--trainer.plugins=lightning_mpt.MPTPrecision", "--trainer.plugins.scaler.help", "DynamicLossScaler"],
+            args=[
+                "fit",
+                "--trainer.plugins=lightning_mpt.MPTPrecision",
+                "--trainer.plugins.scaler.help",
+                "DynamicLossScaler",
+            ],
         )
     out = capsys.readouterr().out
-    for arg in ["init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale"]:
+    for arg in [
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "hysteresis",
+        "min_scale",
+        "max_scale",
+    ]:
         assert arg in out

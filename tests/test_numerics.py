@@ -35,28 +35,41 @@ INF, NAN = math.inf, math.nan
 # ----------------------------------------------------------------------------------------------------- formats
 def test_fp16_constants_are_the_contract():
     assert FP16.max == 65504.0
-    assert FP16.min_normal == 2.0**-14 and f"{FP16.min_normal:.3g}" == "6.1e-05"
-    assert FP16.min_subnormal == 2.0**-24 and f"{FP16.min_subnormal:.3g}" == "5.96e-08"
-    assert FP16.eps == 2.0**-10 and BF16.eps == 2.0**-7
+    assert FP16.min_normal == 2.0**-14
+    assert f"{FP16.min_normal:.3g}" == "6.1e-05"
+    assert FP16.min_subnormal == 2.0**-24
+    assert f"{FP16.min_subnormal:.3g}" == "5.96e-08"
+    assert FP16.eps == 2.0**-10
+    assert BF16.eps == 2.0**-7
     assert (FP16.min_exponent, FP16.normal_exponent, FP16.max_exponent) == (-24, -14, 15)
     assert (BF16.min_exponent, BF16.normal_exponent, BF16.max_exponent) == (-133, -126, 127)
-    assert FP16.overflow_threshold == 65520.0 and FP16.flush_threshold == 2.0**-25
+    assert FP16.overflow_threshold == 65520.0
+    assert FP16.flush_threshold == 2.0**-25
 
 
 @pytest.mark.parametrize("fmt", [FP16, BF16], ids=lambda f: f.name)
 def test_format_constants_match_torch_rounding(fmt):
     finfo = torch.finfo(fmt.dtype)
-    assert fmt.max == finfo.max and fmt.min_normal == finfo.tiny and fmt.eps == finfo.eps
-    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731  (float32 inputs: no double rounding)
-    up = lambda x: torch.nextafter(f32(x), f32(INF)).item()  # noqa: E731
-    down = lambda x: torch.nextafter(f32(x), f32(0.0)).item()  # noqa: E731
-    values = f32([fmt.min_subnormal, fmt.flush_threshold, up(fmt.flush_threshold), down(fmt.overflow_threshold),
-                  fmt.overflow_threshold])
+    assert fmt.max == finfo.max
+    assert fmt.min_normal == finfo.tiny
+    assert fmt.eps == finfo.eps
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)
+    up = lambda x: torch.nextafter(f32(x), f32(INF)).item()
+    down = lambda x: torch.nextafter(f32(x), f32(0.0)).item()
+    values = f32([
+        fmt.min_subnormal,
+        fmt.flush_threshold,
+        up(fmt.flush_threshold),
+        down(fmt.overflow_threshold),
+        fmt.overflow_threshold,
+    ])
     assert fmt.cast(values).double().tolist() == [fmt.min_subnormal, 0.0, fmt.min_subnormal, fmt.max, INF]
 
 
 def test_format_of():
-    assert format_of(torch.float16) is FP16 and format_of(torch.bfloat16) is BF16 and format_of(torch.float32) is FP32
+    assert format_of(torch.float16) is FP16
+    assert format_of(torch.bfloat16) is BF16
+    assert format_of(torch.float32) is FP32
     with pytest.raises(ValueError, match="torch.float16"):
         format_of(torch.int8)
 
@@ -81,8 +94,10 @@ def test_flush_counts_per_tensor_and_missing_gradients():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(min_value=-2.0**-10, max_value=2.0**-10, allow_nan=False, width=32), min_size=1, max_size=40),
-       st.sampled_from([1.0, 8.0, 2.0**12, 2.0**16]))
+@given(
+    st.lists(st.floats(min_value=-(2.0**-10), max_value=2.0**-10, allow_nan=False, width=32), min_size=1, max_size=40),
+    st.sampled_from([1.0, 8.0, 2.0**12, 2.0**16]),
+)
 def test_flush_counts_match_elementwise_definition(values, scale):
     g = torch.tensor(values, dtype=torch.float32)
     expected_nonzero = sum(v != 0 for v in values)
@@ -95,7 +110,13 @@ def test_stored_fractions_fp16_hand_built():
     sub = 2.0**-20  # subnormal in fp16
     g = torch.tensor([0.0, 0.0, sub, -sub, 2.0**-14, 1.0, -3.0, INF, NAN, 60000.0], dtype=torch.float16)
     counts = stored_counts(exponent_histograms([g], FP16), FP16)[0].tolist()
-    assert dict(zip(STORED_COUNTS, counts)) == dict(numel=10, zero=2, subnormal=2, nonzero_finite=6, overflow=2)
+    assert dict(zip(STORED_COUNTS, counts)) == {
+        "numel": 10,
+        "zero": 2,
+        "subnormal": 2,
+        "nonzero_finite": 6,
+        "overflow": 2,
+    }
     assert zero_fraction(g).item() == pytest.approx(0.2)
     assert subnormal_fraction(g, FP16).item() == pytest.approx(2 / 6)  # over nonzero finite values
     assert overflow_fraction(g, FP16).item() == pytest.approx(0.2)
@@ -105,7 +126,13 @@ def test_fp32_values_are_measured_as_stored_in_the_half_format():
     # 70000 overflows, 2**-26 flushes to zero, 2**-16 is a subnormal once rounded to fp16
     g = torch.tensor([70000.0, 2.0**-26, 2.0**-16, 1.0])
     counts = stored_counts(exponent_histograms([g], FP16), FP16)[0].tolist()
-    assert dict(zip(STORED_COUNTS, counts)) == dict(numel=4, zero=1, subnormal=1, nonzero_finite=2, overflow=1)
+    assert dict(zip(STORED_COUNTS, counts)) == {
+        "numel": 4,
+        "zero": 1,
+        "subnormal": 1,
+        "nonzero_finite": 2,
+        "overflow": 1,
+    }
     assert overflow_fraction(torch.tensor([1.0, 2.0]), FP16, scale=40000.0).item() == 0.5  # 80000 -> inf
     assert overflow_fraction(torch.tensor([1.0, 2.0]), BF16, scale=40000.0).item() == 0.0
 
@@ -130,7 +157,8 @@ def test_exponent_bins_bf16_edges():
     x = torch.tensor([2.0**-133, 2.0**-126, BF16.max, -INF], dtype=torch.bfloat16)
     h = exponent_histograms([x, None], BF16)
     labels = exponent_bins(BF16)
-    assert h.shape == (2, len(labels)) and h[1].sum() == 0
+    assert h.shape == (2, len(labels))
+    assert h[1].sum() == 0
     got = {labels[i]: c for i, c in enumerate(h[0].tolist()) if c}
     assert got == {"-133": 1, "-126": 1, "127": 1, "nonfinite": 1}
 
@@ -155,11 +183,15 @@ def test_update_underflow_counts_by_cast_and_compare():
 
 # ---------------------------------------------------------------------------------------- value histograms, max
 def test_value_histograms_ignore_nonfinite_values():
-    stats = value_histograms([[torch.tensor([1.0, 2.0, NAN, 3.0, INF])], [torch.tensor([NAN])], [torch.zeros(4)]], bins=4)
+    stats = value_histograms(
+        [[torch.tensor([1.0, 2.0, NAN, 3.0, INF])], [torch.tensor([NAN])], [torch.zeros(4)]], bins=4
+    )
     lo, hi, num, total, squares, *counts = stats[0].tolist()
-    assert (lo, hi, num, total, squares) == (1.0, 3.0, 3.0, 6.0, 14.0) and counts == [1.0, 0.0, 1.0, 1.0]
+    assert (lo, hi, num, total, squares) == (1.0, 3.0, 3.0, 6.0, 14.0)
+    assert counts == [1.0, 0.0, 1.0, 1.0]
     assert stats[1, 2].item() == 0  # nothing finite to draw
-    assert stats[2, :3].tolist() == [0.0, 0.0, 4.0] and stats[2, 5:].sum().item() == 4
+    assert stats[2, :3].tolist() == [0.0, 0.0, 4.0]
+    assert stats[2, 5:].sum().item() == 4
 
 
 def test_value_histograms_group_several_tensors_and_check_bins():
@@ -172,14 +204,21 @@ def test_value_histograms_group_several_tensors_and_check_bins():
 
 def test_max_abs_mixed_dtypes_and_nonfinite():
     out = max_abs([torch.tensor([1.0, -3.0]).half(), torch.tensor([2.0]), torch.tensor([NAN]), torch.tensor([-INF])])
-    assert out.dtype == torch.float32 and out[:2].tolist() == [3.0, 2.0]
-    assert math.isnan(out[2].item()) and out[3].item() == INF
+    assert out.dtype == torch.float32
+    assert out[:2].tolist() == [3.0, 2.0]
+    assert math.isnan(out[2].item())
+    assert out[3].item() == INF
 
 
 def test_batched_functions_return_device_tensors():
     g = [torch.randn(5), torch.randn(3)]
-    for result in (exponent_histograms(g, FP16), flush_counts(g, 2.0, FP16), update_underflow_counts(g, g, FP16),
-                   max_abs(g), value_histograms([g])):
+    for result in (
+        exponent_histograms(g, FP16),
+        flush_counts(g, 2.0, FP16),
+        update_underflow_counts(g, g, FP16),
+        max_abs(g),
+        value_histograms([g]),
+    ):
         assert isinstance(result, torch.Tensor)
 
 

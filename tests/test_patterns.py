@@ -86,7 +86,8 @@ def test_state_keyed_by_optimizer_accepts_the_wrapper():
             super().training_step(batch, batch_idx)
 
     quiet_trainer(max_steps=1, plugins=[MPTPrecision("fp16")]).fit(Look(1.0, "norm"), regression_data())
-    assert seen["same"] and all(seen["same"])
+    assert seen["same"]
+    assert all(seen["same"])
 
 
 # ------------------------------------------------------------------------ 2. two steps in one training_step
@@ -159,7 +160,10 @@ class TiedLM(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         plugin = self.trainer.precision_plugin
-        self.seen.append({"state": {k: v.clone() for k, v in self.state_dict().items()}, "master": plugin.master_of(self.emb.weight).detach().clone()})
+        self.seen.append({
+            "state": {k: v.clone() for k, v in self.state_dict().items()},
+            "master": plugin.master_of(self.emb.weight).detach().clone(),
+        })
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -186,11 +190,13 @@ def test_tied_weights_save_reload_and_resume(tmp_path, precision):
             assert torch.equal(seen["state"][key], seen["master"]), key
     # the checkpoint written during fit loads into a plain fp32 model with nothing lost
     saved = torch.load(tmp_path / "epoch=0-step=6.ckpt", weights_only=False)["state_dict"]
-    assert torch.equal(saved["emb.weight"], saved["head.weight"]) and saved["emb.weight"].dtype == torch.float32
+    assert torch.equal(saved["emb.weight"], saved["head.weight"])
+    assert saved["emb.weight"].dtype == torch.float32
     assert torch.equal(saved["emb.weight"], model.seen[5]["master"])
     plain = TiedLM()
     plain.load_state_dict(saved)
-    assert plain.head.weight is plain.emb.weight and torch.equal(plain.emb.weight, model.seen[5]["master"])
+    assert plain.head.weight is plain.emb.weight
+    assert torch.equal(plain.emb.weight, model.seen[5]["master"])
     # resume from the first epoch's checkpoint: bitwise equal to the uninterrupted run
     torch.manual_seed(0)
     resumed = TiedLM()
@@ -198,7 +204,8 @@ def test_tied_weights_save_reload_and_resume(tmp_path, precision):
         resumed, lm_data(), ckpt_path=tmp_path / "epoch=0-step=6.ckpt"
     )
     for (n, a), b in zip(model.named_parameters(), resumed.parameters()):
-        assert a.dtype == torch.float32 and torch.equal(a, b), n
+        assert a.dtype == torch.float32, n
+        assert torch.equal(a, b), n
 
 
 # ------------------------------------------------------------------------ 4. guard, several optimizers
@@ -236,7 +243,8 @@ def test_guard_counts_consecutive_skips_per_optimizer(precision):
     with pytest.raises(NonFiniteGradientError, match="4 optimizer steps in a row were skipped") as err:
         quiet_trainer(max_steps=100, plugins=[plugin]).fit(model, DataLoader(TensorDataset(torch.randn(400, 4))))
     assert model.steps_a == 4
-    assert "a.weight" in str(err.value) and "b.weight" not in str(err.value)
+    assert "a.weight" in str(err.value)
+    assert "b.weight" not in str(err.value)
 
 
 # ------------------------------------------------------------------------ 5. optimizers that ignore the closure
@@ -249,7 +257,7 @@ class PlainSGD(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # noqa: ARG002  (the closure is ignored on purpose)
+    def step(self, closure: Any = None) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -278,7 +286,9 @@ class CustomOptimizerMLP(L.LightningModule):
 
 
 @pytest.mark.parametrize(
-    ("precision", "manual"), [("fp16", False), ("fp16", True), ("bf16", True)], ids=["fp16", "fp16-manual", "bf16-manual"]
+    ("precision", "manual"),
+    [("fp16", False), ("fp16", True), ("bf16", True)],
+    ids=["fp16", "fp16-manual", "bf16-manual"],
 )
 def test_an_optimizer_that_ignores_the_closure_never_applies_a_non_finite_update(precision, manual):
     def run(**kwargs: Any) -> tuple[L.LightningModule, list[dict]]:
@@ -331,7 +341,8 @@ def test_state_an_optimizer_builds_at_construction_is_exact_fp32(precision):
 
     quiet_trainer(max_steps=1, plugins=[MPTPrecision(precision)]).fit(WithAdagrad(), regression_data())
     for s in seen["sums"]:
-        assert s.dtype == torch.float32 and torch.equal(s, torch.full_like(s, 0.1))
+        assert s.dtype == torch.float32
+        assert torch.equal(s, torch.full_like(s, 0.1))
 
 
 # ------------------------------------------------------------------------ 7. culprits come from unclipped gradients
@@ -343,7 +354,10 @@ def test_guard_culprits_come_from_the_gradients_before_clipping():
     plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=4.0, min_scale=2.0))
     with pytest.raises(NonFiniteGradientError) as err:
         quiet_trainer(
-            max_steps=4, plugins=[plugin], gradient_clip_val=1.0, callbacks=[InjectInf("net.3.bias", {0, 1}, value=math.nan)]
+            max_steps=4,
+            plugins=[plugin],
+            gradient_clip_val=1.0,
+            callbacks=[InjectInf("net.3.bias", {0, 1}, value=math.nan)],
         ).fit(TinyMLP(), regression_data())
     assert "parameters with non-finite gradients: net.3.bias\n" in str(err.value)
     assert [r.nonfinite_params for r in plugin.history] == [["net.3.bias"], ["net.3.bias"]]
@@ -375,7 +389,9 @@ class BagModel(L.LightningModule):
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_embedding_bag_per_sample_weights_and_keyword_inputs(precision):
     g = torch.Generator().manual_seed(0)
-    data = DataLoader(TensorDataset(torch.randint(0, 20, (16, 5), generator=g), torch.rand(16, 5, generator=g)), batch_size=4)
+    data = DataLoader(
+        TensorDataset(torch.randint(0, 20, (16, 5), generator=g), torch.rand(16, 5, generator=g)), batch_size=4
+    )
     model = BagModel()
     before = snapshot(model)
     plugin = MPTPrecision(precision, scaler=1024.0 if precision == "fp16" else None)
@@ -442,7 +458,9 @@ class MaxNormEmbedding(L.LightningModule):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_embedding_max_norm_renormalisation_reaches_the_masters(precision):
-    data = DataLoader(TensorDataset(torch.randint(0, 16, (64, 4), generator=torch.Generator().manual_seed(0))), batch_size=8)
+    data = DataLoader(
+        TensorDataset(torch.randint(0, 16, (64, 4), generator=torch.Generator().manual_seed(0))), batch_size=8
+    )
 
     def run(**kwargs: Any) -> dict:
         torch.manual_seed(0)
@@ -509,7 +527,8 @@ def test_argument_checks(kwargs, error, message):
 def test_keep_fp32_accepts_a_single_class():
     plugin = MPTPrecision("bf16", keep_fp32=nn.Linear)
     model = plugin.convert_module(nn.Sequential(nn.Linear(2, 2), nn.Conv1d(2, 2, 1)))
-    assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.bfloat16
+    assert model[0].weight.dtype == torch.float32
+    assert model[1].weight.dtype == torch.bfloat16
     plugin.teardown()
     assert plugin.keep_fp32 == (nn.Linear,)
 
@@ -577,12 +596,14 @@ def test_accumulate_fp32_sums_micro_batches_in_fp32():
     def grad(**plugin_kwargs: Any) -> torch.Tensor:
         torch.manual_seed(0)
         model = TinyGrads()
-        quiet_trainer(max_steps=1, accumulate_grad_batches=64, plugins=[MPTPrecision("fp16", scaler=2.0**10, **plugin_kwargs)]).fit(model, data)
+        quiet_trainer(
+            max_steps=1, accumulate_grad_batches=64, plugins=[MPTPrecision("fp16", scaler=2.0**10, **plugin_kwargs)]
+        ).fit(model, data)
         return model.seen[0]
 
     x = x.double()
     exact = (x.sum(0) * 2.0**-10 / 64).unsqueeze(0)  # d(mean over micro-batches of w.x * 1e-3)/dw, in fp64
-    error = lambda got: ((got - exact).norm() / exact.norm()).item()  # noqa: E731
+    error = lambda got: ((got - exact).norm() / exact.norm()).item()
     half, fp32 = error(grad()), error(grad(accumulate_fp32=True))
     assert fp32 == 0.0  # every micro-batch gradient is exact in fp16 and their sum exact in fp32
     assert half > 1e-4  # the fp16 running sum rounds at every addition

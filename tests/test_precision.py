@@ -39,7 +39,10 @@ class Probe(L.Callback):
         return {
             "params": {n: p.detach().clone() for n, p in module.named_parameters()},
             "masters": [m.detach().clone() for m in plugin.main_params(opt)],
-            "state": {k: {s: v.clone() if torch.is_tensor(v) else v for s, v in st.items()} for k, st in enumerate(opt.state.values())},
+            "state": {
+                k: {s: v.clone() if torch.is_tensor(v) else v for s, v in st.items()}
+                for k, st in enumerate(opt.state.values())
+            },
             "scale": plugin.loss_scale,
         }
 
@@ -97,13 +100,20 @@ def test_half_model_fp32_norms_masters_and_optimizer_state():
     quiet_trainer(max_steps=3, plugins=[plugin]).fit(model, data)
     half = torch.float16
     assert model.seen["param_dtypes"] == {
-        "conv.weight": half, "conv.bias": half, "bn.weight": torch.float32, "bn.bias": torch.float32,
-        "fc.weight": half, "fc.bias": half, "ln.weight": torch.float32, "ln.bias": torch.float32,
+        "conv.weight": half,
+        "conv.bias": half,
+        "bn.weight": torch.float32,
+        "bn.bias": torch.float32,
+        "fc.weight": half,
+        "fc.bias": half,
+        "ln.weight": torch.float32,
+        "ln.bias": torch.float32,
     }
     assert model.seen["buffer_dtypes"] == {"bn.running_mean": torch.float32, "bn.running_var": torch.float32}
     # at the step the module's half parameters carry their fp32 gradients where torch allows it (>= 2.13)
     step_grad = torch.float32 if GRAD_DTYPE else half
-    assert model.seen["grad_dtypes"]["fc.weight"] == step_grad and model.seen["grad_dtypes"]["bn.weight"] == torch.float32
+    assert model.seen["grad_dtypes"]["fc.weight"] == step_grad
+    assert model.seen["grad_dtypes"]["bn.weight"] == torch.float32
     assert model.seen["master_grads_fp32"]
     assert model.seen["master_dtypes"] == {torch.float32}
     assert all(model.seen["masters_are_separate"].values())
@@ -209,13 +219,15 @@ def test_injected_overflow_skips_exactly_those_steps():
     assert after["state"][0]["step"].item() == 7 - len(injected)
     # the scale backed off once per skipped step
     assert [r.scale for r in plugin.history] == [1024.0, 512.0, 512.0, 512.0, 256.0, 128.0, 128.0]
-    assert plugin.loss_scale == 128.0 and plugin.last_step_skipped is False
+    assert plugin.loss_scale == 128.0
+    assert plugin.last_step_skipped is False
 
 
 def test_bf16_skips_non_finite_steps_without_scaling():
     model = TinyMLP()
     plugin = MPTPrecision("bf16")
-    assert plugin.scaler is None and plugin.loss_scale == 1.0
+    assert plugin.scaler is None
+    assert plugin.loss_scale == 1.0
     quiet_trainer(max_steps=4, plugins=[plugin], callbacks=[InjectInf("net.0.bias", {2})]).fit(model, regression_data())
     assert plugin.skipped_steps == 1
     assert [r.skipped for r in plugin.history] == [False, False, True, False]
@@ -244,13 +256,17 @@ def test_norm_clipping_acts_on_unscaled_gradients(precision):
         assert torch.nn.functional.cosine_similarity(d_ref, d_got, dim=0) > 0.99, n
         assert d_got.norm() == pytest.approx(d_ref.norm().item(), rel=0.05), n
     # and clipping did act: the unclipped run moves further
-    total = lambda w: sum((w[n] - start[n]).norm() ** 2 for n in start) ** 0.5  # noqa: E731
+    total = lambda w: sum((w[n] - start[n]).norm() ** 2 for n in start) ** 0.5
     assert total(unclipped) > 2 * total(ref)
 
 
 def test_value_clipping_acts_on_unscaled_gradients():
-    start, ref = train_weights({"precision": "32-true"}, steps=1, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
-    _, got = train_weights({"plugins": [MPTPrecision("fp16")]}, steps=1, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
+    start, ref = train_weights(
+        {"precision": "32-true"}, steps=1, gradient_clip_val=1e-3, gradient_clip_algorithm="value"
+    )
+    _, got = train_weights(
+        {"plugins": [MPTPrecision("fp16")]}, steps=1, gradient_clip_val=1e-3, gradient_clip_algorithm="value"
+    )
     # SGD, every gradient clipped to +-1e-3: each weight moves by lr * 1e-3 = 1e-4, in fp32 as in fp16 with masters
     for n in start:
         moved = (got[n] - start[n]).abs()
@@ -282,7 +298,8 @@ def test_clipping_hooks_see_true_gradients():
     quiet_trainer(max_steps=1, plugins=[MPTPrecision("fp16")]).fit(model, regression_data())
     ref_grad_norm = torch.norm(torch.stack([p.grad.norm() for p in ref_model.parameters()])).item()
     step_grad = torch.float32 if GRAD_DTYPE else torch.float16  # fp32 where torch lets a half parameter hold it
-    assert seen["half_dtype"] == step_grad and seen["fp32_dtype"] == step_grad
+    assert seen["half_dtype"] == step_grad
+    assert seen["fp32_dtype"] == step_grad
     assert seen["half"] == pytest.approx(ref_grad_norm, rel=0.02)
     assert seen["fp32"] == pytest.approx(ref_grad_norm, rel=0.02)
 
@@ -300,7 +317,7 @@ def test_gradient_edits_in_on_before_optimizer_step_take_effect():
     assert not torch.equal(model.net[3].weight.half(), model.net[3].weight)  # the rest trained
 
 
-# ---------------------------------------------------------------------------------------------------- accumulation, manual
+# ------------------------------------------------------------------------------------------------- accumulation, manual
 
 
 def test_accumulation_overflow_in_one_micro_batch_skips_the_step_once():
@@ -316,7 +333,9 @@ def test_accumulation_overflow_in_one_micro_batch_skips_the_step_once():
     assert [r.skipped for r in plugin.history] == [False, True, False, False]  # batch 6 is in the second window
     assert [r.scale for r in plugin.history] == [2048.0, 2048.0, 1024.0, 1024.0]
     # the weights did not move during the skipped window (batches 4..7), and did in the others
-    assert all(torch.equal(probe.before[4]["params"][n], probe.after[7]["params"][n]) for n in probe.before[4]["params"])
+    assert all(
+        torch.equal(probe.before[4]["params"][n], probe.after[7]["params"][n]) for n in probe.before[4]["params"]
+    )
     assert not torch.equal(probe.before[8]["params"]["net.0.weight"], probe.after[11]["params"]["net.0.weight"])
 
 
@@ -347,7 +366,7 @@ class GAN(L.LightningModule):
         self.toggle_optimizer(opt_d)
         loss_d = (nn.functional.softplus(-self.disc(real)) + nn.functional.softplus(self.disc(fake.detach()))).mean()
         self.manual_backward(loss_d)
-        disc_norm = lambda: torch.norm(torch.stack([p.grad.float().norm() for p in self.disc.parameters()])).item()  # noqa: E731
+        disc_norm = lambda: torch.norm(torch.stack([p.grad.float().norm() for p in self.disc.parameters()])).item()
         scaled = disc_norm()  # as with Lightning's AMP, manual_backward leaves scaled gradients
         opt_d.step()
         stepped = disc_norm()  # the step unscaled them
@@ -365,8 +384,11 @@ def test_manual_optimization_two_optimizers_and_clip_gradients():
     gen0 = [p.detach().clone() for p in model.gen.parameters()]
     disc0 = [p.detach().clone() for p in model.disc.parameters()]
     plugin = MPTPrecision("fp16", scaler=256.0)
-    quiet_trainer(max_epochs=1, plugins=[plugin]).fit(model, DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8))
-    assert plugin.skipped_steps == 0 and len(plugin.history) == 8  # two optimizer steps per batch
+    quiet_trainer(max_epochs=1, plugins=[plugin]).fit(
+        model, DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
+    )
+    assert plugin.skipped_steps == 0
+    assert len(plugin.history) == 8
     for clipped, scaled, stepped in model.norms:
         assert clipped <= model.clip * 1.0001  # clip_gradients saw unscaled grads (scaled ones are 256x larger)
         assert stepped == pytest.approx(scaled / 256, rel=1e-2)
@@ -387,12 +409,14 @@ def test_guard_stops_a_run_whose_loss_is_nan():
     trainer = quiet_trainer(max_steps=50, plugins=[plugin])
     with pytest.raises(NonFiniteGradientError) as err:
         trainer.fit(NaNLoss(), regression_data(n=800))
-    assert trainer.global_step <= 5 and plugin.skipped_steps == 5
+    assert trainer.global_step <= 5
+    assert plugin.skipped_steps == 5
     message = str(err.value)
     assert "5 optimizer steps in a row were skipped" in message
     assert "NON-FINITE" in message  # the loss itself
     assert "net.0.weight" in message  # a parameter is named
-    assert "hint" in message and "bf16" in message
+    assert "hint" in message
+    assert "bf16" in message
 
 
 def test_guard_fp16_reaches_min_scale_then_stops():
@@ -403,7 +427,8 @@ def test_guard_fp16_reaches_min_scale_then_stops():
     assert plugin.skipped_steps == 17
     assert [r.scale for r in plugin.history] == [2.0**k for k in range(16, -1, -1)]
     # the message shows the last 12 scales, each marked skipped
-    assert "recent loss scales (* = skipped): 2048*, 1024*, " in str(err.value) and str(err.value).count("*") == 13
+    assert "recent loss scales (* = skipped): 2048*, 1024*, " in str(err.value)
+    assert str(err.value).count("*") == 13
 
 
 def test_guard_overflow_at_min_scale():
@@ -412,7 +437,8 @@ def test_guard_overflow_at_min_scale():
         quiet_trainer(max_steps=10, plugins=[plugin], callbacks=[InjectInf("net.3.bias", {0, 1})]).fit(
             TinyMLP(), regression_data()
         )
-    assert "minimum loss scale (1)" in str(err.value) and "net.3.bias" in str(err.value)
+    assert "minimum loss scale (1)" in str(err.value)
+    assert "net.3.bias" in str(err.value)
     assert "the loss itself was finite" in str(err.value)
     assert "recent loss scales (* = skipped): 2*, 1*" in str(err.value)
 
@@ -422,13 +448,16 @@ def test_a_static_scale_skips_but_only_the_consecutive_guard_stops_it():
     plugin = MPTPrecision("fp16", scaler=4.0, max_consecutive_skips=3)
     trainer = quiet_trainer(max_steps=6, plugins=[plugin], callbacks=[InjectInf("net.0.weight", {0, 1, 3, 4})])
     trainer.fit(TinyMLP(), regression_data(n=96))
-    assert plugin.skipped_steps == 4 and plugin.loss_scale == 4.0 and trainer.global_step == 6
+    assert plugin.skipped_steps == 4
+    assert plugin.loss_scale == 4.0
+    assert trainer.global_step == 6
     # three in a row (2, 3, 4) do, at the third
     plugin = MPTPrecision("fp16", scaler=4.0, max_consecutive_skips=3)
     trainer = quiet_trainer(max_steps=8, plugins=[plugin], callbacks=[InjectInf("net.0.weight", {2, 3, 4})])
     with pytest.raises(NonFiniteGradientError, match="3 optimizer steps in a row were skipped"):
         trainer.fit(TinyMLP(), regression_data(n=128))
-    assert plugin.skipped_steps == 3 and [r.skipped for r in plugin.history] == [False, False, True, True, True]
+    assert plugin.skipped_steps == 3
+    assert [r.skipped for r in plugin.history] == [False, False, True, True, True]
 
 
 def test_a_failed_run_leaves_an_fp32_model_and_its_last_checkpoint(tmp_path):
@@ -475,7 +504,8 @@ def test_models_train_and_track_fp32(family, precision):
     plugin = MPTPrecision(precision)
     got = train_losses(family, plugins=[plugin])
     clean = [loss for loss, rec in zip(got, plugin.history) if not rec.skipped]
-    assert math.isfinite(got[-1]) and plugin.skipped_steps <= 6
+    assert math.isfinite(got[-1])
+    assert plugin.skipped_steps <= 6
     window = 4
     first, last = sum(clean[:window]) / window, sum(got[-window:]) / window
     ref_first, ref_last = sum(ref[:window]) / window, sum(ref[-window:]) / window
@@ -500,7 +530,8 @@ def test_modules_autocast_does_not_cover_get_matching_inputs():
     model = BilinearModel()
     plugin = MPTPrecision("bf16")
     quiet_trainer(max_steps=2, plugins=[plugin]).fit(model, DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
-    assert plugin.skipped_steps == 0 and model.bil.weight.dtype == torch.float32
+    assert plugin.skipped_steps == 0
+    assert model.bil.weight.dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------------------------------- optimizers
@@ -532,7 +563,8 @@ def test_optimizers_step_the_masters_exactly(make_opt):
     start = [p.detach().clone() for p in model.parameters()]
     plugin = MPTPrecision("fp16", scaler=64.0)
     quiet_trainer(max_steps=5, plugins=[plugin]).fit(model, regression_data(n=80))
-    assert plugin.skipped_steps == 0 and len(grads) == 5
+    assert plugin.skipped_steps == 0
+    assert len(grads) == 5
 
     replica = [nn.Parameter(t.clone()) for t in start]
     opt = make_opt(replica)
@@ -585,6 +617,7 @@ def test_unsupported_strategies_are_refused():
 
     with pytest.raises(ValueError, match=r"does not support the FSDPStrategy strategy. Supported: a single device"):
         check_strategy(FSDPStrategy())
+
     class Parallel(TinyMLP):
         def configure_model(self):  # ModelParallelStrategy insists on it
             pass

@@ -48,7 +48,9 @@ class ExponentProbe(L.Callback):
             self.counts = dict(zip(exponent_bins(self.fmt), totals))
 
     def assert_decoded(self, h: Optional[ExponentHistogram]) -> None:
-        assert h is not None and h.step == self.step and h.format == self.fmt.name
+        assert h is not None
+        assert h.step == self.step
+        assert h.format == self.fmt.name
         assert (h.zero, h.nonfinite) == (self.counts["zero"], self.counts["nonfinite"])
         assert h.counts == {int(k): v for k, v in self.counts.items() if k not in ("zero", "nonfinite") and v}
 
@@ -69,8 +71,11 @@ class Runs:
 
 
 def train(root: Path, name: str, model: L.LightningModule, plugin: MPTPrecision, callbacks: list) -> LossScaleMonitor:
-    monitors = [LossScaleMonitor(), GradientHistogramMonitor(every_n_steps=HIST_EVERY),
-                UnderflowMonitor(every_n_steps=1, reference_every_n_steps=2)]
+    monitors = [
+        LossScaleMonitor(),
+        GradientHistogramMonitor(every_n_steps=HIST_EVERY),
+        UnderflowMonitor(every_n_steps=1, reference_every_n_steps=2),
+    ]
     logger = TensorBoardLogger(str(root), name=name, version=0)
     trainer = quiet_trainer(plugins=[plugin], callbacks=[*callbacks, *monitors], logger=logger, max_steps=STEPS)
     trainer.fit(model, regression_data(n=16 * STEPS))
@@ -108,7 +113,8 @@ def png_size(path: Path) -> tuple[int, int]:
         kinds.append(kind)
         idat += body if kind == b"IDAT" else b""
         pos += 12 + length
-    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND"
+    assert kinds[0] == b"IHDR"
+    assert kinds[-1] == b"IEND"
     width, height = struct.unpack(">II", data[16:24])
     assert len(zlib.decompress(idat)) > height  # one filter byte per row at least
     return width, height
@@ -119,17 +125,25 @@ def test_summary_equals_plugin_history(runs: Runs) -> None:
     (s,) = build_report(runs.root / "a" / "version_0").runs
     history = list(runs.plugin.history)
     scales = [r.scale for r in history]
-    assert s.run == "." and s.format == "fp16"
+    assert s.run == "."
+    assert s.format == "fp16"
     assert s.steps == len(history) == STEPS
     assert s.skipped_steps == runs.plugin.skipped_steps == sum(r.skipped for r in history) == 3
     assert s.skipped_share == 3 / STEPS
     assert s.first_overflow_step == next(r.step for r in history if r.skipped) == 2
-    assert s.scale is not None and s.scale.points == STEPS
+    assert s.scale is not None
+    assert s.scale.points == STEPS
     assert (s.scale.min, s.scale.median, s.scale.max, s.scale.last) == (
-        min(scales), statistics.median(scales), max(scales), scales[-1])
+        min(scales),
+        statistics.median(scales),
+        max(scales),
+        scales[-1],
+    )
     assert s.nonfinite_params == dict(runs.scale_monitor.overflow_counts) == {"net.3.weight": 2, "net.0.bias": 1}
     assert list(s.nonfinite_params) == ["net.3.weight", "net.0.bias"]  # most often first
-    assert s.nonfinite_names_complete and s.loss_nonfinite_steps == 0 and s.stopped is None
+    assert s.nonfinite_names_complete
+    assert s.loss_nonfinite_steps == 0
+    assert s.stopped is None
 
 
 def test_underflow_numbers_equal_event_files(runs: Runs) -> None:
@@ -141,23 +155,29 @@ def test_underflow_numbers_equal_event_files(runs: Runs) -> None:
     for ranked in s.worst_underflow:
         values = [v for _, v in scalars(log_dir, f"mpt/grad_underflow_fraction/{ranked.name}")]
         assert ranked.stats.points == len(values) == STEPS // 2  # reference every 2 steps
-        assert ranked.stats.mean == statistics.fmean(values) and ranked.stats.max == max(values)
+        assert ranked.stats.mean == statistics.fmean(values)
+        assert ranked.stats.max == max(values)
     update = scalars(log_dir, "mpt/update_underflow_fraction")
     assert [step for step, _ in update] == [0, 1, 3, 4, 6, 7, 8]  # clean steps only
     assert s.update_underflow is not None
     assert (s.update_underflow.mean, s.update_underflow.last) == (statistics.fmean(v for _, v in update), update[-1][1])
     means = [r.stats.mean for r in s.worst_update_underflow]
-    assert means == sorted(means, reverse=True) and len(means) == len(half)
+    assert means == sorted(means, reverse=True)
+    assert len(means) == len(half)
 
 
 def test_flush_ranks_the_layers_of_an_unscaled_run(runs: Runs) -> None:
     log_dir = runs.root / "b" / "version_0"
     (s,) = build_report(log_dir).runs
-    assert s.skipped_steps == 0 and s.first_overflow_step is None
-    assert s.scale is not None and (s.scale.min, s.scale.max) == (1.0, 1.0)
-    assert s.flush is not None and s.flush.max > 0  # tiny gradients, no scaling: fp16 flushes some
+    assert s.skipped_steps == 0
+    assert s.first_overflow_step is None
+    assert s.scale is not None
+    assert (s.scale.min, s.scale.max) == (1.0, 1.0)
+    assert s.flush is not None
+    assert s.flush.max > 0
     means = {r.name: r.stats.mean for r in s.worst_underflow}
-    assert list(means.values()) == sorted(means.values(), reverse=True) and max(means.values()) > 0
+    assert list(means.values()) == sorted(means.values(), reverse=True)
+    assert max(means.values()) > 0
     for name, mean in means.items():
         assert mean == statistics.fmean(v for _, v in scalars(log_dir, f"mpt/grad_underflow_fraction/{name}"))
 
@@ -166,7 +186,9 @@ def test_exponent_histogram_decoded_from_the_last_logged_step(runs: Runs) -> Non
     (s,) = build_report(runs.root / "a" / "version_0").runs
     h = s.exponents
     runs.probe.assert_decoded(h)
-    assert h is not None and h.step == 9 and h.nonfinite == 1  # the inf injected at step 9
+    assert h is not None
+    assert h.step == 9
+    assert h.nonfinite == 1
     assert h.parameters == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]
     assert h.zero + h.nonfinite + sum(h.counts.values()) == 16 * 32 + 32 + 32 * 4 + 4
 
@@ -177,11 +199,13 @@ def test_bf16_run(tmp_path: Path) -> None:
     monitors = [probe, LossScaleMonitor(), GradientHistogramMonitor(every_n_steps=1)]
     logger = TensorBoardLogger(str(tmp_path), name="bf16", version=0)
     quiet_trainer(plugins=[MPTPrecision("bf16")], callbacks=monitors, logger=logger, max_steps=3).fit(
-        TinyMLP(), regression_data())
+        TinyMLP(), regression_data()
+    )
     report = build_report(tmp_path)
     (s,) = report.runs
     assert (s.format, s.steps, s.skipped_steps) == ("bf16", 3, 0)
-    assert s.scale is not None and (s.scale.min, s.scale.max) == (1.0, 1.0)
+    assert s.scale is not None
+    assert (s.scale.min, s.scale.max) == (1.0, 1.0)
     probe.assert_decoded(s.exponents)
     paths = write_plots(report, tmp_path / "plots")
     assert [p.name for p in paths] == ["scale.png", "exponent_histogram.png"]  # no UnderflowMonitor: no heatmap
@@ -215,14 +239,21 @@ def test_json_and_plots(runs: Runs, tmp_path: Path, capsys: pytest.CaptureFixtur
     assert data == build_report(runs.root).to_dict()
     a, b = data["runs"]
     assert (a["run"], a["skipped_steps"], a["first_overflow_step"], a["nonfinite_params"]) == (
-        "a/version_0", 3, 2, {"net.3.weight": 2, "net.0.bias": 1})
-    assert a["exponents"]["nonfinite"] == 1 and b["scale"]["median"] == 1.0
+        "a/version_0",
+        3,
+        2,
+        {"net.3.weight": 2, "net.0.bias": 1},
+    )
+    assert a["exponents"]["nonfinite"] == 1
+    assert b["scale"]["median"] == 1.0
     pngs = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*.png"))
     per_run = ["exponent_histogram.png", "scale.png", "underflow_heatmap.png"]
     assert pngs == [f"{r}/version_0/{f}" for r in "ab" for f in per_run] + ["scale_comparison.png"]
     for png in pngs:
         width, height = png_size(out_dir / png)
-        assert width >= 400 and height >= 150 and (out_dir / png).stat().st_size < 300_000
+        assert width >= 400
+        assert height >= 150
+        assert (out_dir / png).stat().st_size < 300_000
         assert str(out_dir / png) in captured.err  # the paths are listed (on stderr: stdout is the JSON)
 
 
@@ -231,7 +262,10 @@ def test_default_out_is_logdir_report(runs: Runs, tmp_path: Path, capsys: pytest
     shutil.copytree(runs.root / "b" / "version_0", log_dir)
     assert main(["report", str(log_dir)]) == 0
     assert sorted(p.name for p in (log_dir / "report").iterdir()) == [
-        "exponent_histogram.png", "scale.png", "underflow_heatmap.png"]
+        "exponent_histogram.png",
+        "scale.png",
+        "underflow_heatmap.png",
+    ]
     assert f"plots:\n  {log_dir / 'report' / 'scale.png'}" in capsys.readouterr().out
     assert main(["report", str(log_dir), "--no-plots"]) == 0  # the report folder holds no event files: same run
 
@@ -254,12 +288,13 @@ def test_runs_without_mpt_tags_are_named(runs: Runs, tmp_path: Path) -> None:
     with SummaryWriter(str(tmp_path / "plain")) as writer:
         writer.add_scalar("train_loss", 1.0, 0)
     report = build_report(tmp_path)
-    assert [r.run for r in report.runs] == ["a/version_0"] and report.ignored == ["plain"]
+    assert [r.run for r in report.runs] == ["a/version_0"]
+    assert report.ignored == ["plain"]
     assert format_text(report).endswith("no mpt/ tags, not reported: plain")
 
 
 @pytest.mark.parametrize(
-    "layout, expected",
+    ("layout", "expected"),
     [
         ("missing", "no such directory; expected a TensorBoard log directory"),
         ("file", "not a directory; expected a TensorBoard log directory"),
@@ -280,15 +315,17 @@ def test_errors(layout: str, expected: str, tmp_path: Path, capsys: pytest.Captu
     captured = capsys.readouterr()
     assert captured.out == ""
     (line,) = captured.err.splitlines()
-    assert line.startswith(f"lightning-mpt report: error: {logdir}: ") and expected in line
+    assert line.startswith(f"lightning-mpt report: error: {logdir}: ")
+    assert expected in line
 
 
 def test_console_script(runs: Runs) -> None:
     """The installed ``lightning-mpt`` script (pyproject's [project.scripts]) runs the same command."""
     script = shutil.which("lightning-mpt") or shutil.which("lightning-mpt", path=str(Path(sys.executable).parent))
     assert script, "the lightning-mpt console script is not installed: run `pip install -e .`"
-    proc = subprocess.run([script, "report", str(runs.root / "a"), "--json", "--no-plots"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [script, "report", str(runs.root / "a"), "--json", "--no-plots"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == build_report(runs.root / "a").to_dict()
 
@@ -313,11 +350,13 @@ def test_names_come_from_the_records_not_the_texts(tmp_path: Path) -> None:
     logger = TensorBoardLogger(str(tmp_path), name="", version=0)
     callbacks = [InjectMany(bad, step=1), LossScaleMonitor(max_names=1)]
     quiet_trainer(plugins=[MPTPrecision("fp16")], callbacks=callbacks, logger=logger, max_steps=3).fit(
-        TinyMLP(), regression_data())
-    (_, text), = texts(read_events(logger.log_dir), "mpt/nonfinite_params")
+        TinyMLP(), regression_data()
+    )
+    ((_, text),) = texts(read_events(logger.log_dir), "mpt/nonfinite_params")
     assert "`net.0.weight` and 2 more" in text  # what a text parser would have had to guess from
     (s,) = build_report(tmp_path).runs
-    assert s.nonfinite_params == {name: 1 for name in bad} and s.nonfinite_names_complete
+    assert s.nonfinite_params == dict.fromkeys(bad, 1)
+    assert s.nonfinite_names_complete
     assert (s.skipped_steps, s.first_overflow_step, s.loss_nonfinite_steps) == (1, 1, 0)
 
 
@@ -329,10 +368,12 @@ def test_a_stop_by_the_guard(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     with pytest.raises(NonFiniteGradientError):
         trainer.fit(TinyMLP(), regression_data(n=16 * STEPS))
     (s,) = build_report(tmp_path).runs
-    assert s.stopped is not None and (s.stopped["step"], s.stopped["error"]) == (4, "NonFiniteGradientError")
+    assert s.stopped is not None
+    assert (s.stopped["step"], s.stopped["error"]) == (4, "NonFiniteGradientError")
     assert "2 optimizer steps in a row were skipped" in s.stopped["message"]
     assert (s.steps, s.skipped_steps, s.first_overflow_step) == (5, 2, 3)
-    assert s.nonfinite_params == {"net.3.bias": 2} and s.nonfinite_names_complete
+    assert s.nonfinite_params == {"net.3.bias": 2}
+    assert s.nonfinite_names_complete
     assert main(["report", str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert [c.strip() for c in table_row(out, "stopped by the guard at step")] == ["4"]

@@ -133,7 +133,8 @@ def test_update_accepts_tensor_flags():
 
 def test_the_scale_is_a_float32_value_held_in_a_python_float():
     s = DynamicLossScaler(init_scale=0.1, growth_factor=1.1, growth_interval=1, min_scale=0.1, max_scale=10.0)
-    assert type(s.scale) is float and s.scale == f32(0.1) != 0.1
+    assert type(s.scale) is float
+    assert s.scale == f32(0.1) != 0.1
     assert (s.min_scale, s.max_scale) == (f32(0.1), f32(10.0))
     expected = f32(0.1)
     for _ in range(10):
@@ -212,26 +213,32 @@ def test_hysteresis_is_restored_only_when_the_scale_grows():
     s = DynamicLossScaler(init_scale=1024.0, growth_interval=3, hysteresis=3)
     for _ in range(3):
         s.update(True)
-    assert s.scale == 512.0 and s.hysteresis_tracker == 0  # third overflow: back off; the tracker is not restored
+    assert s.scale == 512.0
+    assert s.hysteresis_tracker == 0
     s.update(False)
     s.update(False)
     s.update(True)  # clean steps do not restore it, an overflow resets the clean-step count: back off again
-    assert s.scale == 256.0 and (s.growth_tracker, s.hysteresis_tracker) == (0, -1)
+    assert s.scale == 256.0
+    assert (s.growth_tracker, s.hysteresis_tracker) == (0, -1)
     for _ in range(3):
         s.update(False)
-    assert s.scale == 512.0 and s.hysteresis_tracker == 3  # a growth restores it
+    assert s.scale == 512.0
+    assert s.hysteresis_tracker == 3
     s.update(True)
-    assert s.scale == 512.0 and s.hysteresis_tracker == 2  # tolerated again
+    assert s.scale == 512.0
+    assert s.hysteresis_tracker == 2
 
 
 def test_a_growth_capped_at_max_scale_still_restores_the_hysteresis():
     s = DynamicLossScaler(init_scale=8.0, growth_interval=1, hysteresis=2, max_scale=8.0, min_scale=1.0)
     s.update(True)
     s.update(True)
-    assert s.scale == 4.0 and s.hysteresis_tracker == 0
+    assert s.scale == 4.0
+    assert s.hysteresis_tracker == 0
     s.update(False)
     s.update(False)
-    assert s.scale == 8.0 and s.hysteresis_tracker == 2
+    assert s.scale == 8.0
+    assert s.hysteresis_tracker == 2
 
 
 # ------------------------------------------------------------------------------------- DeepSpeed's hysteresis
@@ -303,7 +310,8 @@ def test_consecutive_hysteresis_counts_only_overflows_in_a_row():
         for overflow in [True, False, True, False, True, True]:
             s.update(overflow)
     assert plain.scale == 128.0  # the 2nd, 3rd and 4th overflows back off
-    assert consecutive.scale == 512.0 and consecutive.hysteresis_tracker == 0  # only the 4th: two in a row
+    assert consecutive.scale == 512.0
+    assert consecutive.hysteresis_tracker == 0
 
 
 def test_deepspeed_reference_waits_one_more_clean_step_for_its_first_growth():
@@ -346,7 +354,8 @@ def test_the_scale_never_leaves_the_bounds(
     )
     for overflow in runs_to_pattern(runs):
         s.update(overflow)
-        assert s.min_scale <= s.scale <= s.max_scale and s.scale == f32(s.scale)
+        assert s.min_scale <= s.scale <= s.max_scale
+        assert s.scale == f32(s.scale)
 
 
 def test_bounds_are_never_left():
@@ -363,7 +372,8 @@ def test_bounds_are_never_left():
 
 def test_static_scale_never_changes():
     s = DynamicLossScaler.static(1024.0)
-    assert s.is_static and not DynamicLossScaler().is_static
+    assert s.is_static
+    assert not DynamicLossScaler().is_static
     for flag in [True, False, False, True, True] + [False] * 5000:
         s.update(flag)
         assert s.scale == 1024.0
@@ -430,7 +440,8 @@ def test_a_loaded_scale_outside_the_bounds_is_brought_inside_with_a_warning(scal
     with pytest.warns(UserWarning, match=rf"loaded scale {scale!r} is {side} \({used!r}\); using {used!r}") as caught:
         s.load_state_dict(state)
     assert caught[0].filename == __file__  # points at the caller
-    assert s.scale == used and (s.min_scale, s.max_scale) == (2.0, 2.0**20)
+    assert s.scale == used
+    assert (s.min_scale, s.max_scale) == (2.0, 2.0**20)
 
 
 @pytest.mark.parametrize("scale", [math.inf, -math.inf, math.nan, 0.0, -1.0, 1e39, 1e-50])
@@ -480,8 +491,14 @@ def test_load_state_dict_says_what_was_wrong_and_what_is_accepted(state, error, 
         ({"hysteresis": 0}, "hysteresis must be an int >= 1"),
         ({"consecutive_hysteresis": 1}, "consecutive_hysteresis must be a bool"),
         ({"min_scale": 0.0}, "min_scale must be a finite number > 0"),
-        ({"min_scale": 1e-50, "init_scale": 1.0}, r"min_scale must be a finite number > 0 that float32 does not round to 0"),
-        ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, r"min_scale \(8.0\) must not exceed max_scale \(4.0\)"),
+        (
+            {"min_scale": 1e-50, "init_scale": 1.0},
+            r"min_scale must be a finite number > 0 that float32 does not round to 0",
+        ),
+        (
+            {"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0},
+            r"min_scale \(8.0\) must not exceed max_scale \(4.0\)",
+        ),
         ({"init_scale": 2.0**30}, r"init_scale .* must lie in \[min_scale, max_scale\]"),
     ],
 )
@@ -492,4 +509,6 @@ def test_bad_arguments_say_what_is_accepted(kwargs, message):
 
 def test_repr_names_the_configuration():
     text = repr(DynamicLossScaler(hysteresis=2, consecutive_hysteresis=True))
-    assert "scale=65536.0" in text and "hysteresis=2" in text and "consecutive_hysteresis=True" in text
+    assert "scale=65536.0" in text
+    assert "hysteresis=2" in text
+    assert "consecutive_hysteresis=True" in text

@@ -26,7 +26,11 @@ def _docstrings(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 found.add(id(first.value))
     return found
 
@@ -38,7 +42,9 @@ def tag_literals(path: Path) -> list[str]:
     return [
         f"{path.name}:{node.lineno}: {node.value!r}"
         for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in skip
         and tags.PREFIX in node.value
     ]
 
@@ -55,7 +61,9 @@ def private_uses(path: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("lightning_mpt"):
             parts = node.module.split(".") + [a.name for a in node.names]
             if any(p.startswith("_") and not p.startswith("__") for p in parts):
-                found.append(f"{path.name}:{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+                found.append(
+                    f"{path.name}:{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}"
+                )
     return found
 
 
@@ -89,14 +97,32 @@ def test_the_scan_finds_private_symbols(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("tag", [tags.LOSS_SCALE, tags.SKIPPED_STEPS, tags.OVERFLOW, tags.GRAD_ZERO,
-                                 tags.GRAD_SUBNORMAL, tags.GRAD_UNDERFLOW, tags.UPDATE_UNDERFLOW, tags.GRAD_HIST,
-                                 tags.GRAD_EXPONENT])
+@pytest.mark.parametrize(
+    "tag",
+    [
+        tags.LOSS_SCALE,
+        tags.SKIPPED_STEPS,
+        tags.OVERFLOW,
+        tags.GRAD_ZERO,
+        tags.GRAD_SUBNORMAL,
+        tags.GRAD_UNDERFLOW,
+        tags.UPDATE_UNDERFLOW,
+        tags.GRAD_HIST,
+        tags.GRAD_EXPONENT,
+    ],
+)
 def test_design_tags_keep_their_names(tag: str) -> None:
     """DESIGN.md §5 fixes these names; the module is the only place that spells them."""
     assert tag in {
-        "mpt/loss_scale", "mpt/skipped_steps", "mpt/overflow", "mpt/grad_zero_fraction", "mpt/grad_subnormal_fraction",
-        "mpt/grad_underflow_fraction", "mpt/update_underflow_fraction", "mpt/grad", "mpt/grad_exponent",
+        "mpt/loss_scale",
+        "mpt/skipped_steps",
+        "mpt/overflow",
+        "mpt/grad_zero_fraction",
+        "mpt/grad_subnormal_fraction",
+        "mpt/grad_underflow_fraction",
+        "mpt/update_underflow_fraction",
+        "mpt/grad",
+        "mpt/grad_exponent",
     }
     assert tags.CATEGORY == "Mixed precision"
 

@@ -39,5 +39,17 @@ _EXPORTS = {
     "ReferenceStats": "lightning_mpt.callbacks.statistics",
     "UnderflowMonitor": "lightning_mpt.callbacks.underflow",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CATEGORY",
+    "DiagnosticsWarning",
+    "FlushStatistics",
+    "GradientHistogramMonitor",
+    "LossScaleMonitor",
+    "ReferenceStats",
+    "TensorCoreCheck",
+    "TensorCoreFinding",
+    "UnderflowMonitor",
+    "mixed_precision_layout",
+    "tensor_core_report",
+]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -125,7 +125,10 @@ class Monitor(Callback):
 
     @property
     def recorder(self) -> Recorder:
-        assert self.group is not None, f"{type(self).__name__} used outside a fit (no setup('fit'))"
+        if self.group is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is used outside a fit: its recorder exists from setup('fit') on."
+            )
         return self.group.recorder
 
     @property
@@ -231,4 +234,3 @@ def check_every(owner: str, name: str, value: Any, allow_none: bool = False, all
 
 def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
-

@@ -37,13 +37,19 @@ def _per_parameter(tag: str) -> str:
 # key -> (title, tag regexes)
 CHARTS: dict[str, tuple[str, list[str]]] = {
     "scale": ("Loss scale", [_exactly(tags.LOSS_SCALE)]),
-    "skips": ("Skipped steps (cumulative) and overflows (0/1)", [_exactly(tags.SKIPPED_STEPS), _exactly(tags.OVERFLOW)]),
+    "skips": (
+        "Skipped steps (cumulative) and overflows (0/1)",
+        [_exactly(tags.SKIPPED_STEPS), _exactly(tags.OVERFLOW)],
+    ),
     "scale_change": ("Scale changes (log2 factor: +1 growth, -1 back-off)", [_exactly(tags.SCALE_CHANGE)]),
     "nonfinite": (
         "Skipped steps: parameters with inf/NaN grads, non-finite loss",
         [_exactly(tags.NONFINITE_PARAMS), _exactly(tags.LOSS_NONFINITE)],
     ),
-    "headroom": ("Scale headroom (log2 bits to overflow)", [_exactly(tags.SCALE_HEADROOM), _exactly(tags.STORED_HEADROOM)]),
+    "headroom": (
+        "Scale headroom (log2 bits to overflow)",
+        [_exactly(tags.SCALE_HEADROOM), _exactly(tags.STORED_HEADROOM)],
+    ),
     "grad_classes": (
         "Stored gradients: zero, subnormal, flushed (underflow), overflow fractions",
         [_exactly(t) for t in (tags.GRAD_ZERO, tags.GRAD_SUBNORMAL, tags.GRAD_UNDERFLOW, tags.GRAD_OVERFLOW)],

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+import lightning.pytorch as pl
 from torch import Tensor
 from torch.optim import Optimizer
-
-import lightning.pytorch as pl
 
 from lightning_mpt.callbacks._common import Monitor, accumulating, check_every, due
 from lightning_mpt.callbacks.statistics import (
     ExponentHistograms,
     ParamTable,
     ValueHistograms,
-    has_masters,
     half_format,
+    has_masters,
     module_name,
 )
 
@@ -125,9 +124,13 @@ class GradientHistogramMonitor(Monitor):
             return
         stat.measure(self.recorder, table.grads(), trainer.global_step)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
         step = trainer.global_step
-        if not (self.on and self.values and self.value_stat.enabled and self._val_groups and due(step, self.every_n_steps)):
+        if not (
+            self.on and self.values and self.value_stat.enabled and self._val_groups and due(step, self.every_n_steps)
+        ):
             return
         with self.value_stat.guarded():
             plugin = trainer.precision_plugin

@@ -7,11 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-
-import lightning.pytorch as pl
 
 from lightning_mpt.callbacks._common import Monitor, check_every
 from lightning_mpt.callbacks.statistics import LossScaleLog, grad_scaler
@@ -152,7 +151,9 @@ class LossScaleMonitor(Monitor):
         new.reverse()
         for i, r in enumerate(new):
             after = new[i + 1].scale if i + 1 < len(new) else plugin.loss_scale
-            self.scale_log.step(self.sink, r.step, r.scale, after, r.skipped, lambda r=r: r.nonfinite_params, r.loss_finite)
+            self.scale_log.step(
+                self.sink, r.step, r.scale, after, r.skipped, lambda r=r: r.nonfinite_params, r.loss_finite
+            )
             self._seen = r.step
 
     def _resolve(self, trainer: pl.Trainer, outputs: Any, pl_module: Optional[pl.LightningModule] = None) -> None:
@@ -160,8 +161,7 @@ class LossScaleMonitor(Monitor):
         if pending is None:
             return
         scaler = grad_scaler(trainer.precision_plugin)
-        assert scaler is not None
-        after = scaler.get_scale()
+        after = scaler.get_scale() if scaler is not None else 1.0  # a pending step exists only with a GradScaler
         self._scale = after
         overflow = after < pending.scale  # GradScaler backs off at every overflow, and only then
         names: list[str] = []

@@ -328,7 +328,11 @@ class StoredFractions(Statistic):
     """
 
     def __init__(
-        self, names: Sequence[str], fmt: FloatFormat, per_parameter: bool = True, owner: str = "diagnostics",
+        self,
+        names: Sequence[str],
+        fmt: FloatFormat,
+        per_parameter: bool = True,
+        owner: str = "diagnostics",
         strict: Optional[bool] = None,
     ) -> None:
         super().__init__(owner, f"the stored-gradient fractions ({tags.GRAD_ZERO}, {tags.GRAD_SUBNORMAL}, ...)", strict)
@@ -351,8 +355,11 @@ class StoredFractions(Statistic):
         values: dict[str, Optional[float]] = {}
 
         def fractions(name: Optional[str], numel: float, zero: float, sub: float, nzf: float, over: float) -> None:
-            for tag, value in ((tags.GRAD_ZERO, ratio(zero, numel)), (tags.GRAD_SUBNORMAL, ratio(sub, nzf)),
-                               (tags.GRAD_OVERFLOW, ratio(over, numel))):
+            for tag, value in (
+                (tags.GRAD_ZERO, ratio(zero, numel)),
+                (tags.GRAD_SUBNORMAL, ratio(sub, nzf)),
+                (tags.GRAD_OVERFLOW, ratio(over, numel)),
+            ):
                 values[tag if name is None else tags.per_parameter(tag, name)] = value
 
         fractions(None, *([sum(col) for col in zip(*rows)] if rows else [0.0] * 5))
@@ -438,8 +445,15 @@ class ExponentHistograms(Statistic):
             squares = sum(c * x * x for c, x in zip(counts, centers))
             lim, cnt = histogram_buckets([float(x) for x in limits], counts)
             sink.histogram_raw(
-                tags.per_parameter(tags.GRAD_EXPONENT, name), step, min=float(lo_e - 3), max=float(hi_e + 4),
-                num=num, sum=total, sum_squares=squares, bucket_limits=lim, bucket_counts=cnt,
+                tags.per_parameter(tags.GRAD_EXPONENT, name),
+                step,
+                min=float(lo_e - 3),
+                max=float(hi_e + 4),
+                num=num,
+                sum=total,
+                sum_squares=squares,
+                bucket_limits=lim,
+                bucket_counts=cnt,
             )
 
 
@@ -475,8 +489,15 @@ class ValueHistograms(Statistic):
                 limits, counts = [hi], [num]
             limits, counts = histogram_buckets(limits, counts)
             sink.histogram_raw(
-                tags.per_parameter(tags.GRAD_HIST, name), step, min=lo, max=hi, num=num, sum=total,
-                sum_squares=squares, bucket_limits=limits, bucket_counts=counts,
+                tags.per_parameter(tags.GRAD_HIST, name),
+                step,
+                min=lo,
+                max=hi,
+                num=num,
+                sum=total,
+                sum_squares=squares,
+                bucket_limits=limits,
+                bucket_counts=counts,
             )
 
 
@@ -492,7 +513,11 @@ class UpdateUnderflow(Statistic):
     """
 
     def __init__(
-        self, names: Sequence[str], fmt: FloatFormat, per_parameter: bool = True, owner: str = "diagnostics",
+        self,
+        names: Sequence[str],
+        fmt: FloatFormat,
+        per_parameter: bool = True,
+        owner: str = "diagnostics",
         strict: Optional[bool] = None,
     ) -> None:
         super().__init__(owner, f"the update underflow ({tags.UPDATE_UNDERFLOW})", strict)
@@ -606,12 +631,15 @@ class FlushReference(Statistic):
     """
 
     def __init__(
-        self, names: Sequence[str], fmt: FloatFormat, per_parameter: bool = True, device: Any = None,
-        owner: str = "diagnostics", strict: Optional[bool] = None,
+        self,
+        names: Sequence[str],
+        fmt: FloatFormat,
+        per_parameter: bool = True,
+        device: Any = None,
+        owner: str = "diagnostics",
+        strict: Optional[bool] = None,
     ) -> None:
-        super().__init__(
-            owner, f"the fp32 reference ({tags.GRAD_UNDERFLOW}, {tags.SCALE_HEADROOM})", strict
-        )
+        super().__init__(owner, f"the fp32 reference ({tags.GRAD_UNDERFLOW}, {tags.SCALE_HEADROOM})", strict)
         self.names, self.fmt, self.per_parameter = list(names), fmt, per_parameter
         self.metric = FlushStatistics(len(self.names)).to(device)
 
@@ -698,7 +726,11 @@ class LossScaleLog(Statistic):
             changed = after != scale
             values: dict[str, Optional[float]] = {}
             if step % self.every_n_steps == 0 or skipped or changed:
-                values.update({tags.LOSS_SCALE: scale, tags.SKIPPED_STEPS: self.overflows, tags.OVERFLOW: float(skipped)})
+                values.update({
+                    tags.LOSS_SCALE: scale,
+                    tags.SKIPPED_STEPS: self.overflows,
+                    tags.OVERFLOW: float(skipped),
+                })
             if changed and scale > 0 and after > 0:
                 values[tags.SCALE_CHANGE] = math.log2(after / scale)
             if skipped:
@@ -718,8 +750,13 @@ class LossScaleLog(Statistic):
                 )
                 sink.record(
                     tags.SKIP_RECORD,
-                    {"step": step, "scale": _json_float(scale), "scale_after": _json_float(after), "params": bad,
-                     "loss_finite": loss_finite},
+                    {
+                        "step": step,
+                        "scale": _json_float(scale),
+                        "scale_after": _json_float(after),
+                        "params": bad,
+                        "loss_finite": loss_finite,
+                    },
                     step,
                 )
             sink.scalars(values, step)

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from torch import nn
-
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 
 from lightning_mpt import tags
 from lightning_mpt.callbacks._common import Monitor, check_every
@@ -110,10 +109,13 @@ class TensorCoreCheck(Monitor):
             f"TensorCoreCheck: under {fmt.name}, these dimensions are not multiples of {self.multiple}, which keeps"
             f" their matmuls off Tensor Cores (pad them, e.g. a vocabulary to a multiple of 64):\n{lines}"
         )
-        rows = "\n".join(f"| `{f.name}` | {f.kind} | {', '.join(f'{k}={v}' for k, v in f.dims.items())} |" for f in self.findings)
+        rows = "\n".join(
+            f"| `{f.name}` | {f.kind} | {', '.join(f'{k}={v}' for k, v in f.dims.items())} |" for f in self.findings
+        )
         self.sink.text(
             tags.TENSOR_CORES,
-            f"Dimensions not multiples of {self.multiple} under {fmt.name}:\n\n| layer | type | dims |\n|---|---|---|\n{rows}",
+            f"Dimensions not multiples of {self.multiple} under {fmt.name}:\n\n"
+            f"| layer | type | dims |\n|---|---|---|\n{rows}",
             trainer.global_step,
         )
 

@@ -25,13 +25,12 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import Metric
-
-import lightning.pytorch as pl
-from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from lightning_mpt._compat import metric_private_state
 from lightning_mpt.callbacks._common import Monitor, accumulating, check_every, due
@@ -160,7 +159,7 @@ class UnderflowMonitor(Monitor):
             return
         self._table = table
         self._every = self.every_n_steps or trainer.log_every_n_steps or 1
-        common = dict(per_parameter=self.per_parameter, owner="UnderflowMonitor", strict=self.strict)
+        common = {"per_parameter": self.per_parameter, "owner": "UnderflowMonitor", "strict": self.strict}
         self.stored_stat = StoredFractions(table.names, fmt, **common)
         if self.update_underflow:
             self.update_stat = UpdateUnderflow(table.names, fmt, **common)
@@ -178,7 +177,9 @@ class UnderflowMonitor(Monitor):
     # ------------------------------------------------------------------------------------------------ hooks
     # The reference's hooks depend only on the cadence and the table, the same on every rank, never on whether a
     # statistic failed on this rank: every rank must reach the decision before the reference's collective.
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.group is not None and self._table is not None and due(trainer.global_step, self._reference_every):
             self._replay = _Replay(batch, batch_idx, _rng_state())  # the state this batch's training_step starts from
 
@@ -190,7 +191,9 @@ class UnderflowMonitor(Monitor):
             return
         stat.measure(self.recorder, table.grads(), trainer.global_step)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
         if self.group is None or self._table is None:
             return
         step = trainer.global_step
@@ -214,9 +217,12 @@ class UnderflowMonitor(Monitor):
         self._replay = None
 
     # ------------------------------------------------------------------------------------------------ the reference
-    def _reference(self, trainer: pl.Trainer, pl_module: pl.LightningModule, replay: Optional[_Replay], step: int) -> None:
+    def _reference(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, replay: Optional[_Replay], step: int
+    ) -> None:
         stat, table = self.reference_stat, self._table
-        assert stat is not None and table is not None
+        if stat is None or table is None:  # set together at setup, where the reference is on
+            return
         plugin = trainer.precision_plugin
         scale = loss_scale(plugin)
         local: Optional[tuple[Tensor, Tensor]] = None
@@ -241,12 +247,18 @@ class UnderflowMonitor(Monitor):
                 self.warn_once(
                     "reference",
                     "UnderflowMonitor: the fp32 reference step "
-                    + ("returned no loss to differentiate" if no_loss
-                       else "had no batch to replay" if replay is None else "failed on another process")
+                    + (
+                        "returned no loss to differentiate"
+                        if no_loss
+                        else "had no batch to replay"
+                        if replay is None
+                        else "failed on another process"
+                    )
                     + "; flush fractions and scale headroom are off for the rest of this run.",
                 )
             return
-        assert local is not None
+        if local is None:  # every rank had a result, this one included (the decision above)
+            return
         with stat.guarded():
             self.last_reference = stat.reduce(*local, scale, step)
             if self.sink.active:
@@ -268,9 +280,9 @@ def _reference_grads(
         for n, p, m in zip(table.names, table.params, table.masters(plugin))
     }
     # other half parameters ("16-true" norm layers) run in fp32 too
-    weights.update(
-        {n: p.detach().float() for n, p in pl_module.named_parameters() if p.dtype in HALF_DTYPES and n not in weights}
-    )
+    weights.update({
+        n: p.detach().float() for n, p in pl_module.named_parameters() if p.dtype in HALF_DTYPES and n not in weights
+    })
     batch = apply_to_collection(replay.batch, Tensor, lambda t: t.float() if t.is_floating_point() else t)
     with ExitStack() as stack:
         stack.enter_context(_restored_state(pl_module))
@@ -279,7 +291,9 @@ def _reference_grads(
         stack.enter_context(torch.enable_grad())
         stack.enter_context(torch.autocast(pl_module.device.type, enabled=False))
         out = torch.func.functional_call(
-            _TrainingStep(pl_module), {f"module.{n}": w for n, w in weights.items()}, (batch, replay.batch_idx),
+            _TrainingStep(pl_module),
+            {f"module.{n}": w for n, w in weights.items()},
+            (batch, replay.batch_idx),
             strict=False,
         )
         loss = out.get("loss") if isinstance(out, Mapping) else out

@@ -14,7 +14,8 @@ the baseline: no substitution); ``MPT_FSDP_LOG``: a JSONL file, one line per tes
 substitutions made (a test that passes without one did not exercise the plugin).
 
     cd /tmp/lightning-tests && PYTHONPATH=$REPO:$REPO/scripts/peer_fsdp MPT_FSDP_LOG=/tmp/fsdp.jsonl \\
-        python -m pytest -p conftest_mpt_fsdp -p no:cacheprovider tests/tests_pytorch/strategies/test_model_parallel.py \\
+        python -m pytest -p conftest_mpt_fsdp -p no:cacheprovider \\
+        tests/tests_pytorch/strategies/test_model_parallel.py \\
         tests/tests_pytorch/strategies/test_model_parallel_integration.py
 """
 
@@ -64,7 +65,10 @@ def pytest_configure(config):
 
     ModelParallelStrategy.__init__ = __init__
     _AcceleratorConnector._check_and_init_precision = _check_and_init_precision
-    _STATE["undo"] = [(ModelParallelStrategy, "__init__", init), (_AcceleratorConnector, "_check_and_init_precision", check)]
+    _STATE["undo"] = [
+        (ModelParallelStrategy, "__init__", init),
+        (_AcceleratorConnector, "_check_and_init_precision", check),
+    ]
 
 
 def pytest_unconfigure(config):
