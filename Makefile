@@ -5,7 +5,7 @@ PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.installed
 
-.PHONY: demo lint test test-floor fuzz docs bench gpu-check peer clean
+.PHONY: demo ruff lint test test-floor fuzz docs bench gpu-check peer clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,12 +18,14 @@ demo: $(STAMP)  ## a short training run that writes a TensorBoard log with the "
 	$(PY) examples/quickstart.py
 	@echo "open it with: $(VENV)/bin/tensorboard --logdir runs"
 
-lint: $(STAMP)  ## ruff (lint and format) and mypy --strict on the package
+ruff: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+lint: ruff  ## ruff (lint and format) and mypy --strict on the package
 	$(VENV)/bin/mypy
 
-test: lint  ## lint, the test suite and the strict documentation build (what CI runs)
+test: ruff  ## lint, the test suite and the strict documentation build (what CI runs)
 	$(PY) -m pytest -q
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
