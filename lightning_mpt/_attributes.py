@@ -118,7 +118,7 @@ class EngineAttributes:
         """
         return self._engine.masters.named_masters()
 
-    def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:
         """The fp32 tensors that ``optimizer`` steps: masters of half parameters, fp32 parameters themselves."""
         return self._engine.masters.main_params(_params_of(optimizer))
 

@@ -311,10 +311,10 @@ class MPTPrecision(EngineAttributes, Precision):
         self._synced = True
 
     def _checked(self, optimizer: Any) -> Optimizer:
-        optimizer = _unwrap(optimizer)
+        raw: Optimizer = _unwrap(optimizer)
         self._ensure_ready()
-        self._adopt(optimizer)
-        return optimizer
+        self._adopt(raw)
+        return raw
 
     def _adopt(self, optimizer: Any) -> None:
         if any(optimizer is known for known in self._adopted):

@@ -170,7 +170,7 @@ def check_sharding(
                 "mp_policy=self.trainer.precision_plugin.mp_policy."
             )
         if param_dtype == dtype:
-            half_kept += sorted({_nearest(n.rpartition(".")[0], kept) for n, k in params if k})  # type: ignore[misc]
+            half_kept += sorted({near for n, k in params if k and (near := _nearest(n.rpartition(".")[0], kept))})
     return half_kept
 
 
@@ -357,6 +357,16 @@ class ShardedMasters:
     def release_stepped(self, drop_module_grads: bool) -> None:
         """Nothing kept past the step: the gradient shards are the parameters' own."""
 
+    def unprepare(self, prepared: PreparedGrads, scale: float) -> None:
+        """Undo :meth:`prepare` for a step that will not be taken now (another backward comes first): the shards get
+        their scaled values back, so FSDP accumulates the next reduce-scatter into them consistently."""
+        grads = [_local(p.grad) for p in prepared.own_params if p.grad is not None]
+        if grads and scale != 1.0:
+            _compat.foreach_mul_(grads, scale)
+
+    def accumulate_in_fp32(self, sync: bool) -> None:
+        """Nothing to do: FSDP2 accumulates the reduce-scattered gradients in the fp32 shards already."""
+
 
 class CollectiveBytes(_compat.dispatch_mode()):  # type: ignore[misc]
     """Counts the bytes this process sends through ``torch.distributed`` collectives while it is active.
@@ -393,7 +403,9 @@ class CollectiveBytes(_compat.dispatch_mode()):  # type: ignore[misc]
         self.sent: dict[str, int] = dict.fromkeys(self.KINDS.values(), 0)
         self.calls: dict[str, int] = dict.fromkeys(self.KINDS.values(), 0)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor turn its op into plain ones (and collectives), which come back here
         name = func.name() if hasattr(func, "name") else ""

@@ -95,8 +95,8 @@ class PreparedGrads:
 
 @dataclass
 class _Plan:
-    key: tuple  # (id, length) of each group's parameter list when the plan was made
-    slots: list[tuple[list, int, Tensor, Tensor]] = field(default_factory=list)  # (group list, index, param, master)
+    key: tuple[tuple[int, int], ...]  # (id, length) of each group's parameter list when the plan was made
+    slots: list[tuple[list[Tensor], int, Tensor, Tensor]] = field(default_factory=list)  # (group, index, param, master)
     own: list[Tensor] = field(default_factory=list)  # parameters that are their own master
     device: Optional[torch.device] = None  # the one device all of them live on, if there is one
 
@@ -309,7 +309,7 @@ class MasterWeights:
                 out.params.append(p)
                 out.masters.append(master)
         out.own_params = [p for p in plan.own if p.grad is not None]
-        if any(p.grad.is_sparse for p in out.all_params()):
+        if any(_grad(p).is_sparse for p in out.all_params()):
             raise RuntimeError("MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False).")
         edited = []
         for start, stop in _chunks(out.params):
@@ -329,7 +329,7 @@ class MasterWeights:
         which frees the half ones at once); the half gradients, dead once copied, are the scratch space of the check
         for edited weights, whose flags are returned."""
         params, masters = out.params[start:stop], out.masters[start:stop]
-        halves = [p.grad for p in params]
+        halves = [_grad(p) for p in params]
         # a gradient already fp32 (left on the parameter by the last step and accumulated into) is used in place
         fp32 = [g if g.dtype == torch.float32 else torch.empty_like(m) for g, m in zip(halves, masters)]
         copy = [(f, g) for f, g in zip(fp32, halves) if f is not g]
@@ -487,7 +487,7 @@ class _MasterStateDictHook:
             elif p in self.owner._converted:
                 state_dict[key] = value.float()
 
-    def __deepcopy__(self, memo: dict) -> _MasterStateDictHook:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _MasterStateDictHook:
         # a deep copy of the module (e.g. an averaged model) shares the hook; its own parameters are not ours
         return self
 
@@ -506,7 +506,7 @@ class _MasterLoadHook:
                 with torch.no_grad():
                     master.copy_(value)
 
-    def __deepcopy__(self, memo: dict) -> _MasterLoadHook:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _MasterLoadHook:
         return self
 
 
@@ -549,6 +549,14 @@ def _rebuild_over_masters(optimizer: Optimizer, masters: dict[Tensor, Tensor]) -
         return None
 
 
+def _grad(p: Tensor) -> Tensor:
+    """The gradient of a parameter known to have one."""
+    g = p.grad
+    if g is None:
+        raise RuntimeError(f"MPTPrecision: a parameter of shape {tuple(p.shape)} lost its gradient during the step.")
+    return g
+
+
 def _carry(p: Tensor, grad: Optional[Tensor]) -> None:
     """Give the half parameter ``p`` the gradient ``grad``. One of another dtype (its fp32 gradient at the step) needs
     ``grad_dtype = None`` (torch >= 2.13); otherwise the parameter's own dtype is pinned again, so that autograd casts
@@ -573,7 +581,9 @@ def _castable(p: Tensor) -> bool:
     return p.dtype == torch.float32 or p.dtype in HALF_DTYPES
 
 
-def _cast_inputs_to_weight(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def _cast_inputs_to_weight(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     dtype = next(module.parameters()).dtype
     return _cast_floating(args, dtype), {k: _cast_floating(v, dtype) for k, v in kwargs.items()}
 

@@ -28,7 +28,7 @@ from lightning_mpt import _compat
 from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
 from lightning_mpt._attributes import EngineAttributes
 from lightning_mpt.engine import Masters, MixedPrecisionEngine
-from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights
+from lightning_mpt.master import DEFAULT_KEEP_FP32
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
 
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strategy"]
 
 
-class MPTPrecision(EngineAttributes, Precision):
+# Lightning types ``main_params`` as an iterator of Parameters; ours returns the fp32 masters (plain tensors), in a list
+class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
     """Mixed precision with a half-precision model, fp32 master weights and dynamic loss scaling.
 
     The model's parameters live in fp16/bf16 (norm layers stay fp32) and the forward runs under autocast. The
@@ -268,7 +269,7 @@ def _check_optimizer(optimizer: Optimizer) -> None:
         )
 
 
-def _adapt_weight_averaging(callbacks: list[Any], masters: MasterWeights) -> list[Any]:
+def _adapt_weight_averaging(callbacks: list[Any], masters: Masters) -> list[Any]:
     """Make Lightning's ``StochasticWeightAveraging`` average the fp32 masters and write its result into them.
 
     SWA reads and writes the module's parameters through two public static methods; on this callback instance they
@@ -292,15 +293,18 @@ def _adapt_weight_averaging(callbacks: list[Any], masters: MasterWeights) -> lis
             )
             continue
 
-        def update_parameters(average_model: Module, model: Module, n_averaged: Tensor, avg_fn: Callable) -> None:
-            StochasticWeightAveraging.update_parameters(average_model, _MasterView(model, masters), n_averaged, avg_fn)
+        # SWA only calls .parameters() on what it is given: a view of the masters stands in for the module
+        def update_parameters(average_model: Any, model: Module, n_averaged: Tensor, avg_fn: Any) -> None:
+            view: Any = _MasterView(model, masters)
+            StochasticWeightAveraging.update_parameters(average_model, view, n_averaged, avg_fn)
 
-        def transfer_weights(src_pl_module: Module, dst_pl_module: Module) -> None:
-            StochasticWeightAveraging.transfer_weights(src_pl_module, _MasterView(dst_pl_module, masters))
+        def transfer_weights(src_pl_module: Any, dst_pl_module: Module) -> None:
+            view: Any = _MasterView(dst_pl_module, masters)
+            StochasticWeightAveraging.transfer_weights(src_pl_module, view)
             masters.refresh()
 
-        callback.update_parameters = update_parameters
-        callback.transfer_weights = transfer_weights
+        setattr(callback, "update_parameters", update_parameters)  # on this instance only; removed at teardown
+        setattr(callback, "transfer_weights", transfer_weights)
         adapted.append(callback)
     return adapted
 
@@ -308,7 +312,7 @@ def _adapt_weight_averaging(callbacks: list[Any], masters: MasterWeights) -> lis
 class _MasterView:
     """What weight-averaging code reads as ``module.parameters()``: the fp32 masters, in the module's order."""
 
-    def __init__(self, module: Module, masters: MasterWeights) -> None:
+    def __init__(self, module: Module, masters: Masters) -> None:
         self.module, self.masters = module, masters
 
     def parameters(self) -> Iterator[Tensor]:

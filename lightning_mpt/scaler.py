@@ -49,7 +49,8 @@ _FLOAT32 = struct.Struct("f")
 
 def _f32(x: float) -> float:
     """``x`` rounded to the nearest float32, as ``torch.tensor(x, dtype=torch.float32).item()`` (15x cheaper)."""
-    return _FLOAT32.unpack(_FLOAT32.pack(x))[0]
+    value: float = _FLOAT32.unpack(_FLOAT32.pack(x))[0]
+    return value
 
 
 class DynamicLossScaler:
@@ -117,7 +118,7 @@ class DynamicLossScaler:
         self.max_scale: float = config["max_scale"]
         self._scale = scale
         self._growth_tracker = 0
-        self._hysteresis_tracker = self.hysteresis
+        self._hysteresis_tracker: int = self.hysteresis
 
     @classmethod
     def static(cls, scale: float) -> DynamicLossScaler:
