@@ -53,9 +53,17 @@ gpu-check: $(STAMP)  ## on a CUDA machine: the CUDA tests, then GPT-2 small (124
 	echo "gpu-check: CUDA tests exit $$tests, benchmark exit $$bench; the tables are in build/gpu-check.md"; \
 	test $$tests -eq 0 && test $$bench -eq 0
 
-peer: $(STAMP)  ## Lightning's own tests with MPTPrecision substituted (see docs/compatibility.md)
+LIGHTNING_TESTS ?= build/lightning-tests
+LIGHTNING_COMMIT := be98784a1a03581b7051a355ae1084fd352d7cea  # tag 2.6.5, the one scripts/peer/SELECTED.txt was curated at
+
+$(LIGHTNING_TESTS)/pyproject.toml:  ## Lightning's tests at the pinned commit, from a git copy: LIGHTNING_GIT=path/to/.git
+	@test -n "$(LIGHTNING_GIT)" || { echo "make peer: set LIGHTNING_GIT to a git copy of Lightning-AI/pytorch-lightning (or LIGHTNING_TESTS to an extract); see docs/compatibility.md"; exit 2; }
+	mkdir -p $(LIGHTNING_TESTS)
+	git --git-dir=$(LIGHTNING_GIT) archive $(LIGHTNING_COMMIT) tests/tests_pytorch src/lightning/pytorch/demos pyproject.toml | tar -x -C $(LIGHTNING_TESTS)
+
+peer: $(STAMP) $(LIGHTNING_TESTS)/pyproject.toml  ## Lightning's own tests with MPTPrecision substituted (docs/compatibility.md)
 	$(PY) -m pip install -q pytest-rerunfailures pytest-timeout scikit-learn
-	PY=$(abspath $(PY)) ../shared/peer/run_peer.sh $(LIGHTNING_TESTS)
+	PY=$(abspath $(PY)) scripts/peer/run_peer.sh $(LIGHTNING_TESTS)
 
 clean:
 	rm -rf $(VENV) build runs lightning_logs

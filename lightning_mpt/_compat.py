@@ -58,6 +58,26 @@ def version(tensor: Tensor) -> int:
     return tensor._version
 
 
+def register_state_dict_post_hook(module: torch.nn.Module, hook: Any) -> Any:
+    """``module.register_state_dict_post_hook(hook)``: public from torch 2.5 (hook(module, state_dict, prefix,
+    local_metadata)); torch 2.4 has the same hook only as ``module._register_state_dict_hook``. The masters are
+    written into a module's ``state_dict`` this way."""
+    public = getattr(module, "register_state_dict_post_hook", None)
+    if public is not None:
+        return public(hook)
+    return module._register_state_dict_hook(hook)
+
+
+def register_load_state_dict_pre_hook(module: torch.nn.Module, hook: Any) -> Any:
+    """``module.register_load_state_dict_pre_hook(hook)``: public from torch 2.5 (hook(module, state_dict, prefix,
+    ...)); torch 2.4 has it as ``module._register_load_state_dict_pre_hook(hook, with_module=True)``. Loaded values
+    reach the masters this way."""
+    public = getattr(module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        return public(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
 def mark_optimizer_stepped(optimizer: Optimizer) -> None:
     """Tell torch's LR schedulers that ``optimizer.step()`` ran, for a step the plugin skipped (as
     ``torch.amp.GradScaler`` does, the optimizer is not called at all): otherwise a run whose first steps overflow gets

@@ -99,6 +99,9 @@ class _Plan:
     slots: list[tuple[list[Tensor], int, Tensor, Tensor]] = field(default_factory=list)  # (group, index, param, master)
     own: list[Tensor] = field(default_factory=list)  # parameters that are their own master
     device: Optional[torch.device] = None  # the one device all of them live on, if there is one
+    # per group: (its parameter list, its entries as parameters, its entries as masters), for one-call swaps
+    groups: list[tuple[list[Tensor], list[Tensor], list[Tensor]]] = field(default_factory=list)
+    pairs: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (parameter, master) of every slot
 
 
 class MasterWeights:
@@ -161,8 +164,8 @@ class MasterWeights:
                     self._param_of[master] = p
         self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
         for mod, names in owners.items():
-            self._handles.append(mod.register_state_dict_post_hook(_MasterStateDictHook(self, names)))
-            self._handles.append(mod.register_load_state_dict_pre_hook(_MasterLoadHook(self, names)))
+            self._handles.append(_compat.register_state_dict_post_hook(mod, _MasterStateDictHook(self, names)))
+            self._handles.append(_compat.register_load_state_dict_pre_hook(mod, _MasterLoadHook(self, names)))
             if isinstance(mod, _AUTOCAST_UNCOVERED):
                 self._handles.append(mod.register_forward_pre_hook(_cast_inputs_to_weight, with_kwargs=True))
         return module
@@ -265,13 +268,14 @@ class MasterWeights:
 
         In place, because optimizers such as LBFGS keep a reference to the group's list.
         """
+        plan = self._plan(optimizer)
+        for params, mine, masters in plan.groups:
+            params[:] = masters if to_masters else mine  # one slice assignment per group
         state = optimizer.state
-        for params, i, p, m in self._plan(optimizer).slots:
+        for p, m in plan.pairs:
             x, y = (p, m) if to_masters else (m, p)
-            params[i] = y
-            st = state.pop(x, None)
-            if st is not None:
-                state[y] = st
+            if x in state:
+                state[y] = state.pop(x)
 
     def _plan(self, optimizer: Optimizer) -> _Plan:
         """Where ``optimizer``'s parameters with masters sit in its groups; rebuilt when the groups change."""
@@ -281,13 +285,15 @@ class MasterWeights:
             plan = _Plan(key)
             for group in optimizer.param_groups:
                 params = group["params"]
-                for i, x in enumerate(params):
-                    p = self._param_of.get(x, x)  # the groups may hold the masters right now
+                mine = [self._param_of.get(x, x) for x in params]  # the groups may hold the masters right now
+                plan.groups.append((params, mine, self.main_params(mine)))
+                for i, p in enumerate(mine):
                     m = self._masters.get(p)
                     if m is None:
                         plan.own.append(p)
                     else:
                         plan.slots.append((params, i, p, m))
+                        plan.pairs.append((p, m))
             devices = {p.device for p in plan.own} | {m.device for *_, m in plan.slots}
             plan.device = devices.pop() if len(devices) == 1 else None
             self._plans[optimizer] = plan
@@ -319,9 +325,9 @@ class MasterWeights:
         out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale, plan.device)
         if not _compat.GRAD_DTYPE and out.shown:
             _compat.foreach_copy_(out.shown, out.master_grads)  # hooks see the unscaled values, in the half format
-        out.shown_versions = [_compat.version(g) for g in out.shown]
-        # from here on, a change to a master gradient (clipping) is shown on the parameter at exit (torch < 2.13)
-        out.master_versions = [_compat.version(g) for g in out.master_grads]
+        if not _compat.GRAD_DTYPE:  # hooks edit the half copies; clipping edits the master gradients
+            out.shown_versions = [_compat.version(g) for g in out.shown]
+            out.master_versions = [_compat.version(g) for g in out.master_grads]
         return out
 
     def _to_fp32(self, out: PreparedGrads, start: int, stop: int, check_edits: bool) -> Tensor:
@@ -380,6 +386,15 @@ class MasterWeights:
     def sync_edits(self, prepared: PreparedGrads) -> None:
         """Make the master gradients what hooks left on the parameters since :meth:`prepare`: a gradient edited in
         place (torch < 2.13 shows half copies), assigned, or set to ``None`` (then the optimizer skips it)."""
+        if _compat.GRAD_DTYPE:  # the parameters show the master gradients themselves: only reassignments matter
+            for i, (p, mg) in enumerate(zip(prepared.params, prepared.master_grads)):
+                now = p.grad
+                if now is not mg:
+                    if now is None:
+                        prepared.masters[i].grad = None
+                    else:
+                        mg.copy_(now)
+            return
         for i, (p, shown, v) in enumerate(zip(prepared.params, prepared.shown, prepared.shown_versions)):
             now, master_grad = p.grad, prepared.master_grads[i]
             if now is master_grad or (now is shown and _compat.version(shown) == v):
@@ -404,9 +419,10 @@ class MasterWeights:
         master keeps the fp32 gradient it was stepped with until :meth:`release_stepped` (the next forward).
         """
         self.swap_groups(optimizer, False)
-        for shown, mg, v in zip(prepared.shown, prepared.master_grads, prepared.master_versions):
-            if shown is not mg and _compat.version(mg) != v:  # clipped or edited while entered (torch < 2.13)
-                shown.copy_(mg)
+        if not _compat.GRAD_DTYPE:  # the half copies shown on the parameters learn of clipping
+            for shown, mg, v in zip(prepared.shown, prepared.master_grads, prepared.master_versions):
+                if _compat.version(mg) != v:
+                    shown.copy_(mg)
         if stepped:
             self._stepped.append(prepared)
         else:
@@ -463,8 +479,11 @@ class MasterWeights:
                 m.grad = None
                 g = p.grad
                 if g is mg:
-                    g = None if drop_module_grads else mg.to(p.dtype)
-                _carry(p, g)
+                    _carry(p, None if drop_module_grads else mg.to(p.dtype))
+                elif g is None and _compat.GRAD_DTYPE and p.grad_dtype is None:
+                    p.grad_dtype = (
+                        p.dtype
+                    )  # zero_grad dropped the fp32 gradient: autograd casts to the half format again
         self._stepped.clear()
 
 
@@ -529,7 +548,18 @@ def _edited(params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) 
     in ``scratch``, which is overwritten)."""
     _compat.foreach_copy_(scratch, masters)
     _compat.foreach_sub_(scratch, params)
-    return max_abs(scratch) != 0
+    flags = torch.zeros(len(params), dtype=torch.bool, device=params[0].device if params else None)
+    full = [i for i, t in enumerate(scratch) if t.numel()]  # an empty tensor cannot be edited (nor normed)
+    if full:
+        # the scratch tensors share the parameters' dtype and device: one kernel, no per-tensor Python
+        norms = _compat.foreach_norm([scratch[i] for i in full], float("inf"))
+        changed = torch.stack(list(norms)) != 0
+        flags = (
+            changed
+            if len(full) == len(params)
+            else flags.index_copy(0, torch.tensor(full, device=flags.device), changed)
+        )
+    return flags
 
 
 def _rebuild_over_masters(optimizer: Optimizer, masters: dict[Tensor, Tensor]) -> Optional[Optimizer]:
@@ -563,8 +593,9 @@ def _carry(p: Tensor, grad: Optional[Tensor]) -> None:
     what it accumulates there (and DDP's reducer gets the dtype it insists on)."""
     if _compat.GRAD_DTYPE:
         if grad is not None and grad.dtype != p.dtype:
-            p.grad_dtype = None
-        elif p.grad_dtype != p.dtype:
+            if p.grad_dtype is not None:
+                p.grad_dtype = None
+        elif p.grad_dtype is None:
             p.grad = None  # a gradient of the other dtype may still be there
             p.grad_dtype = p.dtype
     p.grad = grad

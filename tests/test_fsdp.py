@@ -19,10 +19,14 @@ import torch
 import torch.distributed as dist
 from models import run_until_written
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from lightning_mpt import MPTPrecision
-from lightning_mpt.fsdp import ShardedMasters, check_sharding, is_sharded
+fsdp = pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 is public from torch 2.6")
+if not hasattr(fsdp, "fully_shard"):
+    pytest.skip("FSDP2 (torch.distributed.fsdp.fully_shard) is public from torch 2.6", allow_module_level=True)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+from lightning_mpt import MPTPrecision  # noqa: E402
+from lightning_mpt.fsdp import ShardedMasters, check_sharding, is_sharded  # noqa: E402
 
 pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 

@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed.fsdp
 from models import (
     InjectInf,
     SmallCNN,
@@ -623,6 +624,10 @@ def test_unsupported_strategies_are_refused():
             pass
 
     trainer = quiet_trainer(max_steps=1, strategy=ModelParallelStrategy(), plugins=[MPTPrecision("bf16")])
+    if not hasattr(torch.distributed.fsdp, "fully_shard"):  # FSDP2 is public from torch 2.6
+        with pytest.raises(ImportError, match=r"needs torch >= 2.6 \(FSDP2\)"):
+            trainer.fit(Parallel(), regression_data())
+        return
     # supported with FSDP2 (tests/test_fsdp.py); a configure_model that shards nothing is refused
     with pytest.raises(ValueError, match=r"configure_model did not shard anything(.|\n)*supports one device, the DDP"):
         trainer.fit(Parallel(), regression_data())
