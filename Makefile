@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,examples]"
 	touch $(STAMP)
 
 demo: $(STAMP)  ## a short training run that writes a TensorBoard log with the "Mixed precision" dashboard
@@ -26,7 +26,7 @@ lint: ruff  ## ruff (lint and format) and mypy --strict on the package
 	$(VENV)/bin/mypy
 
 test: ruff  ## lint, the test suite and the strict documentation build (what CI runs)
-	$(PY) -m pytest -q
+	MPT_REQUIRE_EXAMPLES=1 $(PY) -m pytest -q
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
 FLOOR_VENV ?= .venv-floor
