@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bert_finetune  # noqa: E402
+import grad_accumulation  # noqa: E402
 import memory_breakdown  # noqa: E402
 import quickstart  # noqa: E402
 import resnet_synthetic  # noqa: E402
@@ -247,3 +248,10 @@ def test_paste_between_markers(tmp_path: Path) -> None:
     assert "\nmiddle\n" in text
     with pytest.raises(ValueError, match="expected one"):
         run_all.paste(tmp_path / "page.md", "x", ("<!-- none -->", "<!-- none:end -->"))
+
+
+@pytest.mark.skipif(not GRAD_DTYPE, reason="accumulate_fp32 needs torch >= 2.13 (Tensor.grad_dtype)")
+def test_grad_accumulation_fp32_sum_is_closer_to_fp64() -> None:
+    results = grad_accumulation.main(["--fast"])
+    for (precision, n), r in results.items():
+        assert 0 < r["fp32"] < r["half"], (precision, n, r)  # the fp32 sum loses less than the half-precision one
