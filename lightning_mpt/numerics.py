@@ -308,9 +308,20 @@ def max_abs(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack(out)  # type: ignore[arg-type]
 
 
-def value_ranges(groups: Sequence[Sequence[Tensor]]) -> Tensor:
+def _unscaled(t: Tensor, device: torch.device, inv: Optional[Tensor]) -> Tensor:
+    """``t`` flattened in fp32 on ``device``, multiplied by the fp32 ``inv`` (as the AMP unscale kernel does)."""
+    x = t.detach().reshape(-1).float().to(device)
+    return x if inv is None else x * inv
+
+
+def _inverse(scale: float, device: torch.device) -> Optional[Tensor]:
+    return None if scale == 1.0 else torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
+
+
+def value_ranges(groups: Sequence[Sequence[Tensor]], scale: float = 1.0) -> Tensor:
     """The finite minimum and maximum of each group of tensors: float64 of shape ``(len(groups), 2)``, ``(inf, -inf)``
-    for a group without finite values. No host sync.
+    for a group without finite values. No host sync. ``scale``: the tensors are scaled gradients; their values are
+    taken unscaled (multiplied by ``1 / scale`` in fp32, as ``torch.amp``'s unscale kernel does).
 
     The range of values that are split over several processes (FSDP2's shards) is the elementwise minimum and maximum
     of the processes' ranges; pass it to :func:`value_histograms` so that every process bins with the same edges.
@@ -327,8 +338,9 @@ def value_ranges(groups: Sequence[Sequence[Tensor]]) -> Tensor:
     out = torch.empty(len(groups), 2, dtype=torch.float64, device=device)
     out[:, 0], out[:, 1] = math.inf, -math.inf
     inf = torch.full((), math.inf, device=device)
+    inv = _inverse(scale, device)
     for row, group in zip(out, groups):
-        flat = [t.detach().reshape(-1).float().to(device) for t in group if t.numel()]
+        flat = [_unscaled(t, device, inv) for t in group if t.numel()]
         if not flat:
             continue
         finite = [torch.isfinite(t) for t in flat]
@@ -337,7 +349,9 @@ def value_ranges(groups: Sequence[Sequence[Tensor]]) -> Tensor:
     return out
 
 
-def value_histograms(groups: Sequence[Sequence[Tensor]], bins: int = 32, ranges: Optional[Tensor] = None) -> Tensor:
+def value_histograms(
+    groups: Sequence[Sequence[Tensor]], bins: int = 32, ranges: Optional[Tensor] = None, scale: float = 1.0
+) -> Tensor:
     """Histograms of the finite values of each group of tensors, in ``bins`` equal-width buckets between the
     group's finite minimum and maximum.
 
@@ -346,7 +360,8 @@ def value_histograms(groups: Sequence[Sequence[Tensor]], bins: int = 32, ranges:
 
     ``ranges``: the ``(len(groups), 2)`` minimum and maximum to bin between (:func:`value_ranges`), by default those of
     ``groups``. Values split over processes are binned with their global range by each process; the counts, ``num``,
-    ``sum`` and ``sum_squares`` of the processes then add up to those of the whole tensors.
+    ``sum`` and ``sum_squares`` of the processes then add up to those of the whole tensors. ``scale``: as in
+    :func:`value_ranges`.
 
     Example:
         ```python
@@ -364,12 +379,13 @@ def value_histograms(groups: Sequence[Sequence[Tensor]], bins: int = 32, ranges:
         raise ValueError(f"value_histograms(bins={bins!r}): expected an int >= 1")
     device = _first_device([t for g in groups for t in g])
     if ranges is None:
-        ranges = value_ranges(groups)
+        ranges = value_ranges(groups, scale)
     ranges = ranges.to(device=device, dtype=torch.float64)
     out = torch.zeros(len(groups), 5 + bins, dtype=torch.float64, device=device)
     out[:, :2] = ranges
+    inv = _inverse(scale, device)
     for row, group, (lo64, hi64) in zip(out, groups, ranges):
-        flat = [t.detach().reshape(-1).float().to(device) for t in group if t.numel()]
+        flat = [_unscaled(t, device, inv) for t in group if t.numel()]
         if not flat:
             continue
         lo, hi = lo64.float(), hi64.float()  # the values' own format: exact, the extremes are values

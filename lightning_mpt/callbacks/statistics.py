@@ -772,9 +772,11 @@ class ValueHistograms(Statistic):
         self.names = list(names)
         self.bins = bins
 
-    def measure(self, recorder: Recorder, groups: Callable[[], Sequence[Sequence[Tensor]]], step: int) -> None:
+    def measure(
+        self, recorder: Recorder, groups: Callable[[], Sequence[Sequence[Tensor]]], step: int, scale: float = 1.0
+    ) -> None:
         """Queue the histograms of the gradients that ``groups`` returns, one group per name (an empty group is left
-        out of the event file)."""
+        out of the event file). ``scale``: the gradients are still scaled by it (drawn unscaled)."""
         if not self.names or not recorder.live(self):
             return
         n, width = len(self.names), 5 + self.bins
@@ -785,7 +787,7 @@ class ValueHistograms(Statistic):
                 found = groups()
                 if len(found) != n:
                     raise RuntimeError(f"{len(found)} groups of gradients for {n} histograms")
-                ranges = value_ranges(found)
+                ranges = value_ranges(found, scale)
         if recorder.shards is not None:  # every process, also where this failed: the range is a collective
             mine = ranges if ranges is not None else value_ranges([[] for _ in range(n)])
             ranges = recorder.shards.reduce_ranges(mine)
@@ -793,7 +795,7 @@ class ValueHistograms(Statistic):
         def compute() -> Parts:
             if found is None:
                 raise RuntimeError("no gradients")  # failed above (already reported): a placeholder
-            stats = value_histograms(found, self.bins, ranges)
+            stats = value_histograms(found, self.bins, ranges, scale)
             return [(stats[:, :2], "first"), (stats[:, 2:], "sum")]
 
         recorder.submit(
@@ -1004,6 +1006,58 @@ class FlushReference(Statistic):
         nonzero, flushed, max_scaled = (t.reshape(n).clone() for t in self.metric.compute())
         self.metric.reset()
         return ReferenceStats(step, scale, self.names, counts[:, 0], counts[:, 1], nonzero, flushed, max_scaled)
+
+    def measure(
+        self,
+        recorder: Recorder,
+        grads: Callable[[], Optional[Sequence[Optional[Tensor]]]],
+        scale: float,
+        step: int,
+        agree: Callable[[bool], bool],
+        missing: Optional[str] = None,
+    ) -> Optional[ReferenceStats]:
+        """Count the fp32 reference gradients that ``grads`` computes (``None``: no loss to differentiate) at
+        ``scale``, reduce the counts across processes and queue them; return the result (on every process).
+
+        Every process must call it at the same steps: ``agree(ok)`` must return whether every process has its counts
+        (``strategy.reduce_boolean_decision(ok, all=True)``) before the collective of :meth:`reduce`. When one has
+        not, the reference is off on every process from then on (the failing one raises when strict, else warns with
+        the traceback; the others warn). ``missing``: why this process has nothing to measure (no batch to replay).
+        """
+        local: Optional[tuple[Tensor, Tensor]] = None
+        error: Optional[Exception] = None
+        reason = missing
+        if self.enabled and missing is None:
+            try:
+                found = grads()
+                if found is None:
+                    reason = "returned no loss to differentiate"
+                else:
+                    local = self.count(found, scale)
+            except Exception as e:  # handed to the statistic once the ranks agree: strict raises, else a warning
+                error = e
+        # every rank must agree before the collective in reduce(): one failing rank would leave the others waiting
+        if not agree(local is not None):
+            self.retired = True
+            if error is not None:
+                self.fail(error)
+            elif self.enabled:
+                self.enabled = False
+                warnings.warn(
+                    f"{self.owner}: the fp32 reference step {reason or 'failed on another process'}; flush fractions "
+                    "and scale headroom are off for the rest of this run.",
+                    DiagnosticsWarning,
+                    stacklevel=3,
+                )
+            return None
+        if local is None:  # every rank had a result, this one included (the decision above)
+            return None
+        with self.guarded():
+            stats = self.reduce(*local, scale, step)
+            if recorder.active:
+                self.queue(recorder, stats)
+            return stats
+        return None
 
     def queue(self, recorder: Recorder, stats: ReferenceStats) -> None:
         if not self.enabled:

@@ -227,45 +227,18 @@ class UnderflowMonitor(Monitor):
         if stat is None or table is None:  # set together at setup, where the reference is on
             return
         plugin = trainer.precision_plugin
-        scale = loss_scale(plugin)
-        local: Optional[tuple[Tensor, Tensor]] = None
-        error: Optional[Exception] = None
-        no_loss = False
-        if stat.enabled and replay is not None:
-            try:
-                grads = _reference_grads(trainer, pl_module, table, plugin, replay)
-                if grads is None:
-                    no_loss = True
-                else:
-                    local = stat.count(grads, scale)
-            except Exception as e:  # handed to the statistic once the ranks agree: strict raises, else a warning
-                error = e
-        # every rank must agree before the collective in reduce(): one failing rank would leave the others waiting
-        if not trainer.strategy.reduce_boolean_decision(local is not None, all=True):
+        result = stat.measure(
+            self.recorder,
+            lambda: _reference_grads(trainer, pl_module, table, plugin, replay) if replay is not None else None,
+            loss_scale(plugin),
+            step,
+            lambda ok: trainer.strategy.reduce_boolean_decision(ok, all=True),
+            missing="had no batch to replay" if replay is None else None,
+        )
+        if result is not None:
+            self.last_reference = result
+        if not stat.enabled:
             self._reference_every = 0
-            if error is not None:
-                stat.fail(error)
-            elif stat.enabled:
-                stat.enabled = False
-                self.warn_once(
-                    "reference",
-                    "UnderflowMonitor: the fp32 reference step "
-                    + (
-                        "returned no loss to differentiate"
-                        if no_loss
-                        else "had no batch to replay"
-                        if replay is None
-                        else "failed on another process"
-                    )
-                    + "; flush fractions and scale headroom are off for the rest of this run.",
-                )
-            return
-        if local is None:  # every rank had a result, this one included (the decision above)
-            return
-        with stat.guarded():
-            self.last_reference = stat.reduce(*local, scale, step)
-            if self.sink.active:
-                stat.queue(self.recorder, self.last_reference)
 
 
 # ---------------------------------------------------------------------------------------------------- the re-run
