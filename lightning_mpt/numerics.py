@@ -424,8 +424,8 @@ def overflow_fraction(x: Tensor, fmt: FloatFormat, scale: float = 1.0) -> Tensor
 def flush_fraction(x: Tensor, scale: float, fmt: FloatFormat) -> Tensor:
     """Of the nonzero values of the fp32 tensor ``x``, the share that become 0 when multiplied by ``scale`` and
     stored in ``fmt`` (NaN when ``x`` has no nonzero value)."""
-    nonzero, flushed = flush_counts([x], scale, fmt)[0]
-    return flushed / nonzero
+    counts = flush_counts([x], scale, fmt)[0]
+    return counts[1] / counts[0]
 
 
 def update_underflow_fraction(w: Tensor, u: Tensor, fmt: FloatFormat) -> Tensor:

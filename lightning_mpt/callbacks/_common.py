@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mpt import tags
 from lightning_mpt._compat import should_accumulate

@@ -924,6 +924,10 @@ class FlushStatistics(Metric):
     """
 
     full_state_update = False
+    # the states add_state registers (as attributes torchmetrics sets at run time)
+    nonzero: Tensor
+    flushed: Tensor
+    max_scaled: Tensor
 
     def __init__(self, num_params: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -931,7 +935,7 @@ class FlushStatistics(Metric):
         self.add_state("flushed", torch.zeros(num_params, dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("max_scaled", torch.zeros(num_params), dist_reduce_fx="max")
 
-    def update(self, counts: Tensor, max_scaled: Tensor) -> None:  # type: ignore[override]
+    def update(self, counts: Tensor, max_scaled: Tensor) -> None:
         """``counts``: ``(P, 2)`` rows of ``(nonzero, flushed)`` (:func:`~lightning_mpt.numerics.flush_counts`);
         ``max_scaled``: ``(P,)`` largest ``|gradient * scale|`` per parameter."""
         self.nonzero += counts[:, 0].to(self.nonzero)
