@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from host_syncs import HostSyncCounter
 from lightning.fabric.loggers import TensorBoardLogger as FabricTensorBoardLogger
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -215,6 +216,39 @@ def test_one_host_read_per_step_and_the_report_reads_it(runs):
     assert a.worst_underflow == b.worst_underflow
     assert b.steps == STEPS
     assert b.skipped_steps > 0
+
+
+def test_one_host_read_per_logging_step_counting_every_read(tmp_path):
+    """Every statistic at every step, the fp32 reference included: one host read more per step than the same loop
+    without the logger (counted over every way torch reads a tensor's values), and at each skipped step one more: the
+    names of the parameters at fault (``StepRecord.nonfinite_params``), as with ``LossScaleMonitor``."""
+    skipped: list[int] = []
+
+    def reads(log: bool) -> int:
+        L.seed_everything(0, verbose=False)
+        plugin = FabricMPTPrecision("fp16", scaler=scaler())
+        fabric = L.Fabric(accelerator="cpu", plugins=[plugin], loggers=FabricTensorBoardLogger(tmp_path, name=str(log)))
+        model = Net()
+        model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        diagnostics = MixedPrecisionLogger(fabric, model, every_n_steps=1, histograms_every_n_steps=1) if log else None
+        with HostSyncCounter() as syncs:
+            for x, y in batches():
+                if diagnostics is not None:
+                    diagnostics.reference(compute_loss, x, y)
+                fabric.backward(compute_loss(model, x, y))
+                if diagnostics is not None:
+                    diagnostics.after_backward()
+                    diagnostics.step(optimizer)
+                else:
+                    optimizer.step()
+                optimizer.zero_grad()
+        skipped.append(plugin.skipped_steps)
+        plugin.restore()
+        return syncs.count
+
+    extra = reads(True) - reads(False)
+    assert skipped[0] == skipped[1] > 0
+    assert extra == STEPS + skipped[0]
 
 
 # ------------------------------------------------------------------------------------------------ edge cases

@@ -1121,8 +1121,9 @@ def reference_gradients(
         plugin.restore()
         ```
     """
+    # a master not yet next to its parameter (a plugin moves them at the first forward) is copied there
     weights = {
-        n: (m.detach() if m is not None else p.detach().float()).requires_grad_(p.requires_grad)
+        n: (m.detach().to(p.device) if m is not None else p.detach().float()).requires_grad_(p.requires_grad)
         for n, p, m in zip(table.names, table.params, table.masters(plugin))
     }
     # other half parameters ("16-true" norm layers) run in fp32 too
