@@ -5,11 +5,14 @@ byte-level language modelling on the source files of Python's standard library, 
     python examples/litgpt_fabric.py --fast                 # seconds on CPU (what the test suite runs)
     python examples/litgpt_fabric.py                        # a few minutes on CPU
     python examples/litgpt_fabric.py --accelerator gpu --devices 2 --n-layer 6 --n-embd 384 --steps 2000
-    tensorboard --logdir runs                               # mpt/loss_scale, mpt/skipped_steps, mpt/overflow
+    tensorboard --logdir runs                               # Custom Scalars tab: the "Mixed precision" dashboard
+    lightning-mpt report runs/litgpt_fabric                 # the two runs side by side
 
 The model's half weights, the fp32 masters in the optimizer and the dynamic loss scale all come from
 ``Fabric(plugins=[MPTPrecision("fp16")])``: the loop below is a plain Fabric loop. LitGPT's ``RMSNorm`` is its own
-class, so it is added to ``keep_fp32`` (torch's norm layers are there by default).
+class, so it is added to ``keep_fp32`` (torch's norm layers are there by default). ``MixedPrecisionLogger`` writes the
+diagnostics of the Trainer callbacks (loss scale, skipped steps, gradient fractions and histograms, update underflow,
+the flush fraction from an fp32 reference) for both runs.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils import example_parser, next_version, parse_args, print_summary
 
-from lightning_mpt.fabric import MPTPrecision
+from lightning_mpt.fabric import MixedPrecisionLogger, MPTPrecision
 from lightning_mpt.master import DEFAULT_KEEP_FP32
 
 NAME = "litgpt_fabric"
@@ -57,6 +60,11 @@ def batches(
     starts = torch.randint(0, len(data) - block - 1, (batch,), generator=generator)
     windows = torch.stack([data[s : s + block + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
+
+
+def next_byte_loss(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the next byte."""
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
 
 
 def config(args: Any) -> Config:
@@ -104,27 +112,25 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     model, optimizer = fabric.setup(model, optimizer)
     generator = torch.Generator().manual_seed(args.seed + fabric.global_rank)
+    every = max(1, args.steps // 10)  # about 10 points of fractions and histograms, 2 fp32 references per run
+    diagnostics = MixedPrecisionLogger(fabric, model, every_n_steps=every, histograms_every_n_steps=every)
 
     losses: list[torch.Tensor] = []
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = fabric.to_device(batches(data, args.block_size, args.batch_size, generator))
-        logits = model(x)  # fp32 out of the model, so the loss is fp32
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        if step % (5 * every) == 0:
+            diagnostics.reference(next_byte_loss, x, y)  # fp32 re-run with the masters: the true flush fraction
+        loss = next_byte_loss(model, x, y)  # fp32 out of the model, so the loss is fp32
         fabric.backward(loss)
+        diagnostics.after_backward(loss)  # the stored half gradients, before clipping unscales them
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
-        optimizer.step()
+        diagnostics.step(optimizer)  # optimizer.step(), the update underflow, the loss scale, one host read
         optimizer.zero_grad()
         scheduler.step()
         losses.append(loss.detach())
-        metrics: dict[str, Any] = {"train_loss": loss.detach()}
-        if plugin is not None:
-            metrics.update({
-                "mpt/loss_scale": plugin.last_step.scale,  # the scale this step's gradients were computed with
-                "mpt/skipped_steps": plugin.skipped_steps,
-                "mpt/overflow": float(plugin.last_step_skipped),
-            })
-        fabric.log_dict(metrics, step=step)
+        fabric.log_dict({"train_loss": loss.detach()}, step=step)
+    diagnostics.finalize()
     seconds = time.perf_counter() - start
 
     model.eval()

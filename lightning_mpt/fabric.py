@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -61,12 +61,18 @@ from torch.optim import LBFGS, Optimizer
 from lightning_mpt import _compat
 from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
 from lightning_mpt._attributes import EngineAttributes, _params_of
+from lightning_mpt._lazy import lazy_exports
 from lightning_mpt.engine import MixedPrecisionEngine
 from lightning_mpt.master import DEFAULT_KEEP_FP32
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
 
-__all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord"]
+if TYPE_CHECKING:
+    from lightning_mpt.fabric_logging import MixedPrecisionLogger
+
+__all__ = ["MPTPrecision", "MixedPrecisionLogger", "NonFiniteGradientError", "StepRecord"]
+# the diagnostics for a Fabric loop, imported on first use (TensorBoard, torchmetrics)
+__getattr__, __dir__ = lazy_exports(__name__, {"MixedPrecisionLogger": "lightning_mpt.fabric_logging"})
 
 _SUPPORTED = (
     "Supported: a single device and the DDP family (Fabric(strategy='ddp'), 'ddp_spawn', 'ddp_fork', "

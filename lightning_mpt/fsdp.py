@@ -48,6 +48,7 @@ __all__ = [
     "ShardedGrads",
     "ShardedMasters",
     "check_sharding",
+    "compute_dtypes",
     "is_sharded",
     "mixed_precision_policy",
 ]
@@ -172,6 +173,25 @@ def check_sharding(
         if param_dtype == dtype:
             half_kept += sorted({near for n, k in params if k and (near := _nearest(n.rpartition(".")[0], kept))})
     return half_kept
+
+
+def compute_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
+    """The dtype each parameter of ``module`` is computed in under FSDP2, by name: its ``fully_shard`` group's
+    ``param_dtype`` (the format FSDP all-gathers it in), or the parameter's own dtype outside any group or where the
+    policy cannot be read. The diagnostics measure the parameters computed in the half format.
+
+    Example:
+        ```python
+        assert compute_dtypes(nn.Linear(2, 2)) == {"weight": torch.float32, "bias": torch.float32}
+        ```
+    """
+    groups = {name: m for name, m in module.named_modules() if isinstance(m, FSDPModule)}
+    out: dict[str, torch.dtype] = {}
+    for name, p in module.named_parameters():
+        group = _nearest(name.rpartition(".")[0], groups)
+        policy = _compat.fsdp_mp_policy(groups[group]) if group is not None else None
+        out[name] = (policy.param_dtype if policy is not None else None) or p.dtype
+    return out
 
 
 def _nearest(name: str, names: Any) -> Optional[str]:

@@ -58,6 +58,7 @@ __all__ = [
     "update_underflow_counts",
     "update_underflow_fraction",
     "value_histograms",
+    "value_ranges",
     "zero_fraction",
 ]
 
@@ -307,35 +308,96 @@ def max_abs(tensors: Sequence[Tensor]) -> Tensor:
     return torch.stack(out)  # type: ignore[arg-type]
 
 
-def value_histograms(groups: Sequence[Sequence[Tensor]], bins: int = 32) -> Tensor:
+def _unscaled(t: Tensor, device: torch.device, inv: Optional[Tensor]) -> Tensor:
+    """``t`` flattened in fp32 on ``device``, multiplied by the fp32 ``inv`` (as the AMP unscale kernel does)."""
+    x = t.detach().reshape(-1).float().to(device)
+    return x if inv is None else x * inv
+
+
+def _inverse(scale: float, device: torch.device) -> Optional[Tensor]:
+    return None if scale == 1.0 else torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
+
+
+def value_ranges(groups: Sequence[Sequence[Tensor]], scale: float = 1.0) -> Tensor:
+    """The finite minimum and maximum of each group of tensors: float64 of shape ``(len(groups), 2)``, ``(inf, -inf)``
+    for a group without finite values. No host sync. ``scale``: the tensors are scaled gradients; their values are
+    taken unscaled (multiplied by ``1 / scale`` in fp32, as ``torch.amp``'s unscale kernel does).
+
+    The range of values that are split over several processes (FSDP2's shards) is the elementwise minimum and maximum
+    of the processes' ranges; pass it to :func:`value_histograms` so that every process bins with the same edges.
+
+    Example:
+        ```python
+        import torch
+        from lightning_mpt.numerics import value_ranges
+        r = value_ranges([[torch.tensor([2.0, -1.0]), torch.tensor([float("inf")])], [torch.empty(0)]])
+        assert r.tolist() == [[-1.0, 2.0], [float("inf"), float("-inf")]]
+        ```
+    """
+    device = _first_device([t for g in groups for t in g])
+    out = torch.empty(len(groups), 2, dtype=torch.float64, device=device)
+    out[:, 0], out[:, 1] = math.inf, -math.inf
+    inf = torch.full((), math.inf, device=device)
+    inv = _inverse(scale, device)
+    for row, group in zip(out, groups):
+        flat = [_unscaled(t, device, inv) for t in group if t.numel()]
+        if not flat:
+            continue
+        finite = [torch.isfinite(t) for t in flat]
+        row[0] = torch.stack([torch.where(f, t, inf).amin() for t, f in zip(flat, finite)]).amin()
+        row[1] = torch.stack([torch.where(f, t, -inf).amax() for t, f in zip(flat, finite)]).amax()
+    return out
+
+
+def value_histograms(
+    groups: Sequence[Sequence[Tensor]], bins: int = 32, ranges: Optional[Tensor] = None, scale: float = 1.0
+) -> Tensor:
     """Histograms of the finite values of each group of tensors, in ``bins`` equal-width buckets between the
     group's finite minimum and maximum.
 
     Returns float64 of shape ``(len(groups), 5 + bins)``: ``min, max, num, sum, sum_squares, counts...`` (the
     arguments of TensorBoard's ``add_histogram_raw``); a group without finite values has ``num == 0``. No host sync.
+
+    ``ranges``: the ``(len(groups), 2)`` minimum and maximum to bin between (:func:`value_ranges`), by default those of
+    ``groups``. Values split over processes are binned with their global range by each process; the counts, ``num``,
+    ``sum`` and ``sum_squares`` of the processes then add up to those of the whole tensors. ``scale``: as in
+    :func:`value_ranges`.
+
+    Example:
+        ```python
+        import torch
+        from lightning_mpt.numerics import value_histograms, value_ranges
+        a, b = torch.tensor([0.0, 1.0]), torch.tensor([3.0, 4.0])   # one tensor split in two shards
+        whole = value_histograms([[torch.cat([a, b])]], bins=4)
+        ra, rb = value_ranges([[a]]), value_ranges([[b]])
+        ranges = torch.stack([torch.minimum(ra[:, 0], rb[:, 0]), torch.maximum(ra[:, 1], rb[:, 1])], dim=1)
+        parts = value_histograms([[a]], 4, ranges) + value_histograms([[b]], 4, ranges)
+        assert torch.equal(parts[0, 2:], whole[0, 2:]) and torch.equal(ranges[0], whole[0, :2])
+        ```
     """
     if bins < 1:
         raise ValueError(f"value_histograms(bins={bins!r}): expected an int >= 1")
     device = _first_device([t for g in groups for t in g])
+    if ranges is None:
+        ranges = value_ranges(groups, scale)
+    ranges = ranges.to(device=device, dtype=torch.float64)
     out = torch.zeros(len(groups), 5 + bins, dtype=torch.float64, device=device)
-    inf = torch.full((), math.inf, device=device)
-    for row, group in zip(out, groups):
-        flat = [t.detach().reshape(-1).float().to(device) for t in group if t.numel()]
+    out[:, :2] = ranges
+    inv = _inverse(scale, device)
+    for row, group, (lo64, hi64) in zip(out, groups, ranges):
+        flat = [_unscaled(t, device, inv) for t in group if t.numel()]
         if not flat:
-            row[0], row[1] = inf, -inf
             continue
-        finite = [torch.isfinite(t) for t in flat]
-        lo = torch.stack([torch.where(f, t, inf).amin() for t, f in zip(flat, finite)]).amin()
-        hi = torch.stack([torch.where(f, t, -inf).amax() for t, f in zip(flat, finite)]).amax()
+        lo, hi = lo64.float(), hi64.float()  # the values' own format: exact, the extremes are values
         width = torch.where(hi > lo, (hi - lo) / bins, torch.ones((), device=device))
         counts = torch.zeros(bins + 1, dtype=torch.int64, device=device)
         stats = torch.zeros(3, dtype=torch.float64, device=device)
-        for t, f in zip(flat, finite):
+        for t in flat:
+            f = torch.isfinite(t)
             v = torch.where(f, t, 0.0)
             idx = ((v - lo) / width).floor_().clamp_(0, bins - 1).long()
             counts += _bincount(torch.where(f, idx, bins), bins + 1)  # non-finite values go to a dropped bin
             stats += torch.stack([f.sum().double(), v.sum(dtype=torch.float64), (v.double() * v).sum()])
-        row[0], row[1] = lo, hi
         row[2:5] = stats
         row[5:] = counts[:bins]
     return out
@@ -362,8 +424,8 @@ def overflow_fraction(x: Tensor, fmt: FloatFormat, scale: float = 1.0) -> Tensor
 def flush_fraction(x: Tensor, scale: float, fmt: FloatFormat) -> Tensor:
     """Of the nonzero values of the fp32 tensor ``x``, the share that become 0 when multiplied by ``scale`` and
     stored in ``fmt`` (NaN when ``x`` has no nonzero value)."""
-    nonzero, flushed = flush_counts([x], scale, fmt)[0]
-    return flushed / nonzero
+    counts = flush_counts([x], scale, fmt)[0]
+    return counts[1] / counts[0]
 
 
 def update_underflow_fraction(w: Tensor, u: Tensor, fmt: FloatFormat) -> Tensor:

@@ -198,7 +198,12 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """The summaries as plain data (what ``--json`` prints); non-finite numbers become ``None``."""
-        return _finite({"logdir": self.logdir, "runs": [asdict(r) for r in self.runs], "ignored": self.ignored})
+        data: dict[str, Any] = _finite({
+            "logdir": self.logdir,
+            "runs": [asdict(r) for r in self.runs],
+            "ignored": self.ignored,
+        })
+        return data
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
@@ -271,11 +276,12 @@ def _last_exponents(last: dict[str, Any]) -> Optional[ExponentHistogram]:
     if not last:
         return None
     step = max(e.step for e in last.values())
-    decoded = {
-        tags.parameter_of(tags.GRAD_EXPONENT, tag): h
-        for tag, e in sorted(last.items())
-        if e.step == step and (h := decode_exponent_histogram(e.histogram_value, step)) is not None
-    }
+    decoded: dict[str, ExponentHistogram] = {}
+    for tag, e in sorted(last.items()):
+        name = tags.parameter_of(tags.GRAD_EXPONENT, tag)
+        h = decode_exponent_histogram(e.histogram_value, step) if e.step == step else None
+        if name is not None and h is not None:
+            decoded[name] = h
     if not decoded:
         return None
     counts: Counter[int] = Counter()
@@ -444,11 +450,11 @@ def format_text(report: Report, top: int = 5) -> str:
         ("skipped steps", [f"{r.skipped_steps} ({_pct(r.skipped_share)})" for r in runs]),
         ("first overflow at step", [_opt(r.first_overflow_step) for r in runs]),
         ("skips with non-finite loss", [str(r.loss_nonfinite_steps) for r in runs]),
-        ("stopped by the guard at step", [_opt(r.stopped and r.stopped.get("step")) for r in runs]),
-        ("loss scale min", [format_scale(r.scale and r.scale.min) for r in runs]),
-        ("loss scale median", [format_scale(r.scale and r.scale.median) for r in runs]),
-        ("loss scale max", [format_scale(r.scale and r.scale.max) for r in runs]),
-        ("loss scale last", [format_scale(r.scale and r.scale.last) for r in runs]),
+        ("stopped by the guard at step", [_opt(r.stopped.get("step") if r.stopped else None) for r in runs]),
+        ("loss scale min", [format_scale(r.scale.min if r.scale else None) for r in runs]),
+        ("loss scale median", [format_scale(r.scale.median if r.scale else None) for r in runs]),
+        ("loss scale max", [format_scale(r.scale.max if r.scale else None) for r in runs]),
+        ("loss scale last", [format_scale(r.scale.last if r.scale else None) for r in runs]),
         ("most often non-finite", [_first_count(r.nonfinite_params) for r in runs]),
         ("flush fraction mean/max", [_mean_max(r.flush) for r in runs]),
         ("subnormal fraction mean/max", [_mean_max(r.subnormal) for r in runs]),

@@ -23,14 +23,15 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mpt import tags
 from lightning_mpt._compat import should_accumulate
 from lightning_mpt.callbacks.sink import Sink
-from lightning_mpt.callbacks.statistics import Recorder, Statistic, describe_precision
+from lightning_mpt.callbacks.statistics import Recorder, Shards, Statistic, describe_precision
 
 
 def sink_for_trainer(trainer: pl.Trainer) -> Sink:
@@ -39,6 +40,12 @@ def sink_for_trainer(trainer: pl.Trainer) -> Sink:
         return Sink()
     tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
     return Sink(tb.experiment) if tb is not None else Sink(loggers=trainer.loggers)
+
+
+def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """``trainer.callbacks`` (an attribute Lightning's callback connector sets, which type checkers do not see)."""
+    callbacks: list[Callback] = getattr(trainer, "callbacks", [])
+    return callbacks
 
 
 def accumulating(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -58,6 +65,7 @@ class MonitorGroup:
         self.members = members
         self.recorder = Recorder(sink_for_trainer(trainer))
         self._done: dict[str, set[int]] = {}
+        self._attached = False
 
     @property
     def sink(self) -> Sink:
@@ -71,7 +79,7 @@ class MonitorGroup:
     def form(cls, trainer: pl.Trainer) -> MonitorGroup:
         """Form the group of the monitors in ``trainer.callbacks``, hand it to each of them, and write what is
         written once per fit: the dashboard layout (once per ``SummaryWriter``) and the ``mpt/data/run`` record."""
-        members = [c for c in trainer.callbacks if isinstance(c, Monitor)]
+        members = [c for c in trainer_callbacks(trainer) if isinstance(c, Monitor)]
         group = cls(trainer, members)
         for m in members:
             m.group = group
@@ -81,6 +89,25 @@ class MonitorGroup:
             run = {**describe_precision(trainer.precision_plugin), "monitors": [type(m).__name__ for m in members]}
             group.sink.record(tags.RUN_RECORD, run, trainer.global_step)
         return group
+
+    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At ``on_fit_start`` (once the model is set up, sharded by ``configure_model`` under FSDP2): whether the
+        parameters are sharded. Then every process measures its shards and the recorder reduces them across
+        processes; every process measures when the Trainer has loggers (rank 0 writes)."""
+        if self._attached:
+            return
+        self._attached = True
+        stat = Statistic("diagnostics", "the set-up for sharded parameters (FSDP2)", self.owner.strict)
+        try:
+            shards = Shards.of(list(pl_module.parameters()))
+        except Exception as error:
+            self.recorder.active = False  # local numbers of shards would be wrong numbers: measure nothing
+            with stat.guarded():
+                raise error
+            return
+        if shards is not None:
+            self.recorder.shards = shards
+            self.recorder.active = bool(trainer.loggers)
 
     def done(self, member: Monitor, phase: str) -> None:
         """``member`` finished its work of ``phase`` (``"batch"``, ``"train_end"``, ``"exception"``,
@@ -137,24 +164,45 @@ class Monitor(Callback):
 
     @property
     def on(self) -> bool:
-        """Whether this monitor has a group to write to and has not failed as a whole."""
-        return self.group is not None and self.setup_stat.enabled
+        """Whether this monitor has a group to write to and has not failed as a whole (under sharded parameters: on
+        any process, as every process must go on measuring until they all agree)."""
+        if self.group is None:
+            return False
+        if self.group.recorder.sharded:
+            return not self.setup_stat.retired
+        return self.setup_stat.enabled
+
+    def measures(self, stat: Optional[Statistic]) -> bool:
+        """Whether this monitor measures ``stat`` at all (before the cadence): the monitor is on, the recorder
+        measures, and the statistic still takes part (see :meth:`Recorder.live`). The same on every process under
+        sharded parameters."""
+        return stat is not None and self.on and self.recorder.active and self.recorder.live(stat)
 
     # ----------------------------------------------------------------------------------------- Lightning hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        members = [c for c in trainer.callbacks if isinstance(c, Monitor)]
+        members = [c for c in trainer_callbacks(trainer) if isinstance(c, Monitor)]
         if members[0] is self:  # the owner: Lightning runs it before the other members' setup
             MonitorGroup.form(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.group is None:
             return
+        self.group.attach(trainer, pl_module)
         if trainer.is_global_zero and not self.sink.active:
             self.warn_once("logger", f"{type(self).__name__}: the Trainer has no logger; nothing will be recorded.")
         with self.setup_stat.guarded():
             self.start(trainer, pl_module)
+        shards = self.recorder.shards
+        if shards is not None:  # every process set up, or none: the processes must queue the same statistics
+            failed = torch.tensor([0.0 if self.setup_stat.enabled else 1.0], device=shards.device)
+            shards.all_reduce(failed, "max")
+            if failed.item() > 0:  # one host read per monitor and fit
+                self.setup_stat.retired = True
+                if self.setup_stat.enabled:
+                    self.setup_stat.enabled = False
+                    self.warn_once("setup", f"{type(self).__name__}: set-up failed on another process; it is off.")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -162,7 +210,7 @@ class Monitor(Callback):
         if self.group is None:
             return
         try:
-            if self.setup_stat.enabled:
+            if self.on:
                 with self.setup_stat.guarded():
                     self.batch_end(trainer, pl_module, outputs)
         finally:

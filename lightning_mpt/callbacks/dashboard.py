@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional
+from typing import Any, Optional
 
 from tensorboard.plugins.custom_scalar import layout_pb2
 
@@ -70,7 +70,7 @@ def _wanted(charts: Optional[Iterable[str]]) -> list[str]:
     return [key for key in CHARTS if key in wanted]
 
 
-def layout_dict(charts: Optional[Iterable[str]] = None) -> dict[str, dict[str, list]]:
+def layout_dict(charts: Optional[Iterable[str]] = None) -> dict[str, dict[str, list[Any]]]:
     """The layout as ``SummaryWriter.add_custom_scalars`` takes it: one category, "Mixed precision", with the given
     charts (keys of :data:`CHARTS`, all by default) in the order of :data:`CHARTS`, each a multiline chart."""
     return {CATEGORY: {CHARTS[key][0]: ["Multiline", list(CHARTS[key][1])] for key in _wanted(charts)}}

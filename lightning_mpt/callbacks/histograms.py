@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -12,9 +14,11 @@ from lightning_mpt.callbacks._common import Monitor, accumulating, check_every, 
 from lightning_mpt.callbacks.statistics import (
     ExponentHistograms,
     ParamTable,
+    Shards,
     ValueHistograms,
     half_format,
     has_masters,
+    local_tensor,
     module_name,
 )
 
@@ -70,19 +74,23 @@ class GradientHistogramMonitor(Monitor):
         self.bins = check_every("GradientHistogramMonitor", "bins", bins)
         self.values = values
         self.exponents = exponents
-        self.value_stat = ValueHistograms(self.bins, owner="GradientHistogramMonitor", strict=strict)
+        self.value_stat = ValueHistograms([], self.bins, owner="GradientHistogramMonitor", strict=strict)
         self.exponent_stat: Optional[ExponentHistograms] = None
         self._table: Optional[ParamTable] = None
         self._val_groups: list[tuple[str, list[tuple[str, Tensor]]]] = []
 
     def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.value_stat = ValueHistograms(self.bins, owner="GradientHistogramMonitor", strict=self.strict)
         self.exponent_stat, self._table, self._val_groups = None, None, []
-        if not self.sink.active:
+        self.value_stat = ValueHistograms([], self.bins, owner="GradientHistogramMonitor", strict=self.strict)
+        if not self.recorder.active:
             return
         plugin = trainer.precision_plugin
         fmt = half_format(plugin)
-        self._val_groups = self._group(list(pl_module.named_parameters()))
+        if self.values:
+            self._val_groups = self._group(list(pl_module.named_parameters()))
+            self.value_stat = ValueHistograms(
+                [key for key, _ in self._val_groups], self.bins, owner="GradientHistogramMonitor", strict=self.strict
+            )
         if not self.exponents:
             return
         if fmt is None:
@@ -92,7 +100,7 @@ class GradientHistogramMonitor(Monitor):
                 " fp16 or bf16; only the value histograms are written.",
             )
             return
-        table = ParamTable(pl_module, plugin)
+        table = ParamTable(pl_module, plugin, self.recorder.shards)
         if not len(table):
             self.warn_once(
                 "no half",
@@ -116,34 +124,39 @@ class GradientHistogramMonitor(Monitor):
         return list(groups.items())
 
     # ------------------------------------------------------------------------------------------------ hooks
+    # What decides whether a statistic is measured is the same on every rank (see UnderflowMonitor).
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stat, table = self.exponent_stat, self._table
-        if not (self.on and stat is not None and stat.enabled and table is not None):
+        if not (self.measures(stat) and stat is not None and table is not None):
             return
         if not due(trainer.global_step, self.every_n_steps) or accumulating(trainer, pl_module):
             return
-        stat.measure(self.recorder, table.grads(), trainer.global_step)
+        stat.measure(self.recorder, table.grads, trainer.global_step)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         step = trainer.global_step
-        if not (
-            self.on and self.values and self.value_stat.enabled and self._val_groups and due(step, self.every_n_steps)
-        ):
+        if not (self.measures(self.value_stat) and self._val_groups and due(step, self.every_n_steps)):
             return
-        with self.value_stat.guarded():
-            plugin = trainer.precision_plugin
-            # the true gradients: the masters' fp32 gradients under MPTPrecision, the (unscaled) .grad otherwise
-            masters = has_masters(plugin)
-            groups = []
-            for key, members in self._val_groups:
-                grads = []
-                for _, p in members:
-                    m = plugin.master_of(p) if masters else p
-                    g = m.grad if m.grad is not None else p.grad
-                    if g is not None:
-                        grads.append(g)
-                if grads:
-                    groups.append((key, grads))
-            self.value_stat.measure(self.recorder, groups, step)
+        grads = partial(true_gradients, trainer.precision_plugin, self._val_groups, self.recorder.shards)
+        self.value_stat.measure(self.recorder, grads, step)
+
+
+def true_gradients(
+    plugin: Any, groups: Sequence[tuple[str, Sequence[tuple[str, Tensor]]]], shards: Optional[Shards] = None
+) -> list[list[Tensor]]:
+    """The true (unscaled) gradients of each group's parameters: the masters' fp32 gradients under ``MPTPrecision``,
+    the (unscaled) ``.grad`` otherwise; this process's shards under FSDP2 (:meth:`Shards.owns`). A parameter without
+    one is left out."""
+    masters = has_masters(plugin)
+    out = []
+    for _, members in groups:
+        grads = []
+        for _, p in members:
+            m = plugin.master_of(p) if masters else p
+            g = m.grad if m.grad is not None else p.grad
+            if g is not None and (shards is None or shards.owns(p)):
+                grads.append(local_tensor(g))
+        out.append(grads)
+    return out

@@ -73,7 +73,6 @@ class LossScaleMonitor(Monitor):
         self.max_names = check_every("LossScaleMonitor", "max_names", max_names)
         self.scale_log = LossScaleLog(self.every_n_steps, self.max_names, owner="LossScaleMonitor", strict=strict)
         self._mode: Optional[str] = None  # "mpt" or "grad_scaler"
-        self._seen = -1  # last MPTPrecision step logged
         self._scale = 1.0  # GradScaler: the scale in force now
         self._pending: Optional[_Pending] = None
 
@@ -104,7 +103,7 @@ class LossScaleMonitor(Monitor):
             if isinstance(plugin, MPTPrecision):
                 self._mode = "mpt"
                 last = plugin.last_step
-                self._seen = last.step if last is not None else -1
+                self.scale_log.seen = last.step if last is not None else -1
                 self.scale_log.overflows = plugin.skipped_steps
             elif scaler is not None:
                 self._mode = "grad_scaler"
@@ -136,25 +135,11 @@ class LossScaleMonitor(Monitor):
             self._pending = pending
 
     def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
-        if self._mode == "mpt":
-            self._log_history(trainer.precision_plugin)
+        plugin = trainer.precision_plugin
+        if self._mode == "mpt" and isinstance(plugin, MPTPrecision):
+            self.scale_log.history(self.sink, plugin.history, plugin.loss_scale)
         elif self._mode == "grad_scaler":
             self._resolve(trainer, outputs, pl_module)
-
-    def _log_history(self, plugin: MPTPrecision) -> None:
-        """Log the steps of ``plugin.history`` not logged yet."""
-        new = []
-        for record in reversed(plugin.history):
-            if record.step <= self._seen:
-                break
-            new.append(record)
-        new.reverse()
-        for i, r in enumerate(new):
-            after = new[i + 1].scale if i + 1 < len(new) else plugin.loss_scale
-            self.scale_log.step(
-                self.sink, r.step, r.scale, after, r.skipped, lambda r=r: r.nonfinite_params, r.loss_finite
-            )
-            self._seen = r.step
 
     def _resolve(self, trainer: pl.Trainer, outputs: Any, pl_module: Optional[pl.LightningModule] = None) -> None:
         pending, self._pending = self._pending, None
@@ -179,9 +164,9 @@ class LossScaleMonitor(Monitor):
     def exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Training stopped: log the steps taken since the last batch end (the step that tripped
         ``MPTPrecision``'s guard among them), the stop, and the summary."""
-        if self._mode == "mpt":
-            plugin = trainer.precision_plugin
-            self._log_history(plugin)
+        plugin = trainer.precision_plugin
+        if self._mode == "mpt" and isinstance(plugin, MPTPrecision):
+            self.scale_log.history(self.sink, plugin.history, plugin.loss_scale)
             if isinstance(exception, NonFiniteGradientError):
                 last = plugin.last_step
                 self.scale_log.stopped(self.sink, last.step if last is not None else trainer.global_step, exception)

@@ -106,4 +106,7 @@ class Sink:
 
 def decode_record(tensor_proto: Any) -> dict[str, Any]:
     """The JSON object of a record's ``TensorProto`` (``EventAccumulator.Tensors(tag)[i].tensor_proto``)."""
-    return json.loads(tensor_proto.string_val[0].decode())
+    data = json.loads(tensor_proto.string_val[0].decode())
+    if not isinstance(data, dict):
+        raise ValueError(f"a lightning-mpt record holds a JSON object, not {type(data).__name__}")
+    return data

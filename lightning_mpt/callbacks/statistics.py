@@ -41,20 +41,24 @@ from __future__ import annotations
 
 import math
 import os
+import random
+import sys
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_mpt import tags
-from lightning_mpt._compat import version
+from lightning_mpt._compat import metric_private_state, version
 from lightning_mpt.callbacks.sink import Sink
 from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES
 from lightning_mpt.numerics import (
@@ -69,6 +73,7 @@ from lightning_mpt.numerics import (
     stored_counts,
     update_underflow_counts,
     value_histograms,
+    value_ranges,
 )
 
 STRICT_ENV = "LIGHTNING_MPT_STRICT_DIAGNOSTICS"
@@ -99,6 +104,7 @@ class Statistic:
         self.what = what
         self.strict = strict_from_env() if strict is None else strict
         self.enabled = True
+        self.retired = False  # off on every process (sharded parameters: see Recorder.submit)
         self.error: Optional[BaseException] = None
 
     def guarded(self) -> _Guard:
@@ -143,50 +149,302 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+# ------------------------------------------------------------------------------------------ sharded tensors
+#: How a queued value is combined across processes whose tensors are shards (FSDP2): ``"sum"`` (counts, sums),
+#: ``"max"`` (maxima) or ``"first"`` (a value every process holds alike: rank 0's is taken).
+Reduce = Literal["sum", "max", "first"]
+#: What a statistic queues: its device tensors, each with how it is reduced across shards.
+Parts = list[tuple[Tensor, Reduce]]
+#: The sizes of a statistic's parts, which every process knows without computing them.
+Layout = list[tuple[int, Reduce]]
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's parameters and gradients), by duck typing so
+    that no torch version without ``DTensor`` is needed."""
+    return isinstance(t, Tensor) and callable(getattr(t, "to_local", None)) and hasattr(t, "placements")
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This process's shard of a ``DTensor`` (the local tensor itself, detached: it sees in-place updates of the
+    parameter), or ``t`` detached."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            local: Tensor = t.to_local()  # type: ignore[attr-defined]  # a DTensor method
+        return local.detach()
+    return t.detach()
+
+
+class Shards:
+    """The processes among which parameters are sharded (FSDP2): what the statistics sum their counts over.
+
+    A statistic computed on the local shards is made global by one collective per logging step (see
+    :meth:`Recorder.flush`): counts and sums are summed, maxima maxed, and the fractions derived from the totals equal
+    those of the whole, unsharded tensors. Every process must take part; rank 0 writes.
+
+    Args:
+        device: where the local shards live (the collective's device).
+        group: the process group; ``None`` for the default (every process).
+    """
+
+    def __init__(self, device: torch.device, group: Any = None) -> None:
+        self.device = device
+        self.group = group
+        self.world_size = torch.distributed.get_world_size(group)
+        self.rank = torch.distributed.get_rank(group)
+        self.calls = 0  # collectives run, for tests and benchmarks
+
+    @classmethod
+    def of(cls, params: Sequence[Tensor]) -> Optional[Shards]:
+        """The shards of ``params`` if any is a ``DTensor``, ``None`` for replicated (DDP) or local parameters.
+
+        Raises ``ValueError`` when the parameters' device meshes do not span every process (pipeline stages), where a
+        sum over all processes would not be the sum over one model's shards."""
+        sharded = [p for p in params if is_dtensor(p)]
+        if not sharded:
+            return None
+        world = torch.distributed.get_world_size()
+        for p in sharded:
+            mesh: Any = p.device_mesh  # type: ignore[attr-defined]  # a DTensor attribute
+            if mesh.size() != world:
+                raise ValueError(
+                    f"the diagnostics sum the parameters' shards over all {world} processes, and a parameter is "
+                    f"sharded over a device mesh of {mesh.size()}: only meshes that span every process are supported."
+                )
+        return cls(local_tensor(sharded[0]).device)
+
+    def owns(self, p: Tensor) -> bool:
+        """Whether this process counts its local part of ``p``: always for sharded dimensions; for replicated mesh
+        dimensions (HSDP, tensor parallel with replicated parameters) only the process at coordinate 0 does, so that
+        no value is counted twice."""
+        if not is_dtensor(p):
+            return self.rank == 0
+        placements: Any = p.placements  # type: ignore[attr-defined]
+        coordinate = p.device_mesh.get_coordinate()  # type: ignore[attr-defined]
+        if coordinate is None:
+            return False
+        return all(c == 0 for c, place in zip(coordinate, placements) if not place.is_shard())
+
+    def all_reduce(self, tensor: Tensor, op: Literal["sum", "max"]) -> None:
+        """``torch.distributed.all_reduce`` of ``tensor`` in place (no host sync)."""
+        dist = torch.distributed
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+        self.calls += 1
+
+    def reduce_ranges(self, ranges: Tensor) -> Tensor:
+        """The global ``(min, max)`` rows of per-process ``(min, max)`` rows
+        (:func:`~lightning_mpt.numerics.value_ranges`): one collective."""
+        both = torch.stack([-ranges[:, 0], ranges[:, 1]], dim=1).to(self.device, torch.float64)
+        self.all_reduce(both, "max")
+        return torch.stack([-both[:, 0], both[:, 1]], dim=1)
+
+
+#: Tensors, or a function that returns them (called guarded, so that an error in gathering them is the statistic's)
+Tensors = Union[Sequence[Optional[Tensor]], Callable[[], Sequence[Optional[Tensor]]]]
+
+
+def _resolve(tensors: Tensors) -> Sequence[Optional[Tensor]]:
+    return tensors() if callable(tensors) else tensors
+
+
+SHARDED_REFERENCE = (
+    f"UnderflowMonitor: the fp32 reference ({tags.GRAD_UNDERFLOW}, {tags.SCALE_HEADROOM}) is off under FSDP2. It "
+    "re-runs the batch with fp32 weights in place of the parameters, and under FSDP2 the parameters are shards that "
+    "fully_shard's hooks all-gather in the half format and whose gradients they reduce-scatter into the real ones: the "
+    "re-run would compute in half precision and add to the step's gradients, and an fp32 copy of the whole model on "
+    "every process would undo the sharding. The stored-gradient fractions, the exponent and value histograms and the "
+    "update underflow are measured on the shards and summed across processes. To see the flush fraction, train the "
+    "model for a few steps under DDP or on one device with the reference on."
+)
+
+
+@dataclass
+class _Entry:
+    stat: Statistic
+    parts: Parts
+    consume: Callable[[list[float]], None]
+    failed: bool = False  # a placeholder of a statistic that failed here (sharded: the others learn it at the flush)
+
+
 # --------------------------------------------------------------------------------------------- the recorder
 class Recorder:
     """What the statistics of one run share: the sink, the one-sync read-out and the per-backward cache.
 
-    During a step, statistics :meth:`queue` device tensors with a consumer; :meth:`flush` reads all of them with one
-    ``.tolist()`` (one host sync, on a GPU one wait for the device) and hands each consumer its values as floats.
-    Each consumer runs guarded by its statistic: one failing consumer turns off its statistic only. If the joint
-    read itself fails, each tensor is read alone so that only the statistic whose tensor fails goes off.
+    During a step, statistics :meth:`queue` (or :meth:`submit`) device tensors with a consumer; :meth:`flush` reads all
+    of them with one ``.tolist()`` (one host sync, on a GPU one wait for the device) and hands each consumer its
+    values as floats. Each consumer runs guarded by its statistic: one failing consumer turns off its statistic only.
+    If the joint read itself fails, each tensor is read alone so that only the statistic whose tensor fails goes off.
+
+    **Sharded parameters** (FSDP2, ``shards`` given): each process measures its local shards and :meth:`flush` reduces
+    what every process queued in **one** collective before the one host read (sums, maxima, see :data:`Reduce`). Every
+    process must then queue the same statistics in the same order and flush together: the statistics decide from
+    what every process knows alike (the step, the cadence, :meth:`live`), never from whether their sink writes (only
+    rank 0's does). A statistic that fails on one process queues a placeholder of its known :data:`Layout` with a
+    flag; the flush turns it off on every process (:attr:`Statistic.retired`), so the processes never disagree about
+    what they reduce.
+
+    Args:
+        sink: where the values go (rank 0's writer; an inactive sink elsewhere).
+        shards: the processes among which the parameters are sharded, ``None`` when every process holds whole tensors.
+        active: whether the statistics are measured at all; ``None`` for ``sink.active``. Under sharding every process
+            must measure when rank 0 writes: pass the same value on every process.
     """
 
-    def __init__(self, sink: Sink) -> None:
+    def __init__(self, sink: Sink, shards: Optional[Shards] = None, active: Optional[bool] = None) -> None:
         self.sink = sink
+        self.shards = shards
+        self._active = active
         self.syncs = 0  # host reads done by flush(), for benchmarks and tests
-        self._pending: list[tuple[Statistic, Tensor, Callable[[list[float]], None]]] = []
-        self._stored_key: Optional[tuple] = None
+        self.collectives = 0  # collectives done by flush() (sharded parameters)
+        self._pending: list[_Entry] = []
+        self._stored_key: Optional[tuple[Any, ...]] = None
         self._stored: Optional[Tensor] = None
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def queue(self, stat: Statistic, values: Tensor, consume: Callable[[list[float]], None]) -> None:
-        """Read ``values`` at the next :meth:`flush` and pass them (flattened, as floats) to ``consume``."""
-        self._pending.append((stat, values.detach().reshape(-1), consume))
+    @property
+    def active(self) -> bool:
+        """Whether the statistics are measured (whether anything would be written, on some process)."""
+        return self.sink.active if self._active is None else self._active
+
+    @active.setter
+    def active(self, value: Optional[bool]) -> None:
+        self._active = value
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards is not None
+
+    def live(self, stat: Statistic) -> bool:
+        """Whether ``stat`` still takes part: ``stat.enabled`` on whole tensors; under sharding until every process
+        agreed it is off (a statistic that failed here still queues its placeholder until then)."""
+        return not stat.retired if self.shards is not None else stat.enabled
+
+    def queue(
+        self, stat: Statistic, values: Tensor, consume: Callable[[list[float]], None], reduce: Reduce = "first"
+    ) -> None:
+        """Read ``values`` at the next :meth:`flush` and pass them (flattened, as floats) to ``consume``; under sharding
+        they are reduced across processes by ``reduce``."""
+        self._pending.append(_Entry(stat, [(values.detach().reshape(-1), reduce)], consume))
+
+    def submit(
+        self,
+        stat: Statistic,
+        compute: Callable[[], Parts],
+        consume: Callable[[list[float]], None],
+        layout: Callable[[], Layout],
+    ) -> None:
+        """Queue what ``compute`` returns, guarded by ``stat``, for ``consume`` (the parts' values concatenated).
+
+        ``layout`` gives the parts' sizes without computing them: under sharding a statistic that is off here, or
+        whose ``compute`` fails, queues zeros of that layout with a failure flag, so that every process reduces the
+        same values (see the class docstring). On whole tensors a statistic that is off queues nothing.
+        """
+        if not self.live(stat):
+            return
+        parts: Optional[Parts] = None
+        if stat.enabled:
+            with stat.guarded():
+                parts = [(t.detach().reshape(-1), op) for t, op in compute()]
+                if self.shards is not None:
+                    got, want = [(t.numel(), op) for t, op in parts], layout()
+                    if got != want:
+                        raise RuntimeError(f"{stat.what}: the computed parts {got} do not match the layout {want}")
+        if parts is not None:
+            self._pending.append(_Entry(stat, parts, consume))
+        elif self.shards is not None:
+            zeros = [(torch.zeros(n, device=self.shards.device), op) for n, op in layout()]
+            self._pending.append(_Entry(stat, zeros, consume, failed=True))
 
     def flush(self) -> None:
-        """Read everything queued with one host sync and hand it to the consumers."""
+        """Read everything queued with one host sync (after one collective under sharding) and hand it to the
+        consumers. Called at the end of every step: it also drops the step's cache."""
+        self._stored_key = self._stored = None
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        if self.shards is not None:
+            self._flush_sharded(pending, self.shards)
+            return
         try:
-            device = pending[0][1].device
+            device = pending[0].parts[0][0].device
             dtype = torch.float32 if device.type == "mps" else torch.float64  # counts need float64's 53 bits
-            values = torch.cat([v.to(device=device, dtype=dtype) for _, v, _ in pending]).tolist()  # the one sync
+            flat = [t.to(device=device, dtype=dtype) for e in pending for t, _ in e.parts]
+            values = torch.cat(flat).tolist()  # the one sync
             self.syncs += 1
         except Exception:
-            for stat, v, consume in pending:
-                with stat.guarded():
-                    consume(v.double().tolist())
+            for e in pending:
+                with e.stat.guarded():
+                    e.consume(torch.cat([t.double().reshape(-1) for t, _ in e.parts]).tolist())
             return
         start = 0
-        for stat, v, consume in pending:
-            with stat.guarded():
-                consume(values[start : start + v.numel()])
-            start += v.numel()
+        for e in pending:
+            n = sum(t.numel() for t, _ in e.parts)
+            with e.stat.guarded():
+                e.consume(values[start : start + n])
+            start += n
+
+    def _flush_sharded(self, pending: list[_Entry], shards: Shards) -> None:
+        """One ``all_reduce`` (sum) of ``[flags | sums | rank-0 values | maxima, one slot per process]``, one host
+        read; the maxima of the slots are taken after it (a sum with zeros is exact, so the slots are an all-gather)."""
+        try:
+            device, world, rank = shards.device, shards.world_size, shards.rank
+            sums: list[Tensor] = []
+            maxima: list[Tensor] = []
+            for e in pending:
+                for t, op in e.parts:
+                    t = t.to(device=device, dtype=torch.float64)
+                    if op == "max":
+                        maxima.append(t)
+                    else:
+                        sums.append(t if op == "sum" or rank == 0 else torch.zeros_like(t))
+            flags = torch.tensor([float(e.failed) for e in pending], dtype=torch.float64, device=device)
+            n_sum = len(pending) + sum(t.numel() for t in sums)
+            n_max = sum(t.numel() for t in maxima)
+            buffer = torch.zeros(n_sum + world * n_max, dtype=torch.float64, device=device)
+            buffer[:n_sum] = torch.cat([flags, *sums])
+            if n_max:
+                buffer[n_sum + rank * n_max : n_sum + (rank + 1) * n_max] = torch.cat(maxima)
+            shards.all_reduce(buffer, "sum")
+            self.collectives += 1
+            top = buffer[n_sum:].view(world, n_max).amax(0) if n_max else buffer[:0]
+            values = torch.cat([buffer[:n_sum], top]).tolist()  # the one sync
+            self.syncs += 1
+        except Exception as error:  # the collective itself failed: every statistic of this flush goes off
+            for e in pending:
+                with e.stat.guarded():
+                    raise error
+            return
+        failed, at_sum, at_max = values[: len(pending)], len(pending), n_sum
+        for e, flag in zip(pending, failed):
+            v: list[float] = []
+            for t, op in e.parts:
+                n = t.numel()
+                if op == "max":
+                    v += values[at_max : at_max + n]
+                    at_max += n
+                else:
+                    v += values[at_sum : at_sum + n]
+                    at_sum += n
+            if flag > 0:
+                self._retire(e.stat)
+                continue
+            with e.stat.guarded():
+                e.consume(v)
+
+    @staticmethod
+    def _retire(stat: Statistic) -> None:
+        """``stat`` failed on some process: it is off on every process from now on."""
+        stat.retired = True
+        if stat.enabled:  # it failed on another process: say so here too
+            stat.enabled = False
+            warnings.warn(
+                f"{stat.owner}: {stat.what} failed on another process (its warning holds the traceback). It is off on "
+                "every process for the rest of this run; training and the other statistics go on.",
+                DiagnosticsWarning,
+                stacklevel=3,
+            )
 
     def clear(self) -> None:
         """Drop what is queued (after an exception in the training step)."""
@@ -195,7 +453,9 @@ class Recorder:
     def stored_histograms(self, grads: Sequence[Optional[Tensor]], fmt: FloatFormat) -> Tensor:
         """:func:`~lightning_mpt.numerics.exponent_histograms` of the stored gradients ``grads``, computed once per
         backward for every statistic that asks (recomputed when a gradient was replaced or edited in place)."""
-        key = (fmt.name, *(None if g is None else (id(g), version(g)) for g in grads))
+        # the tensors are alive while a step measures them, so their address, shape and in-place counter name them
+        # (the local shards of FSDP2's gradients are new objects at each call); flush() drops the cache every step
+        key = (fmt.name, *(None if g is None else (g.data_ptr(), g.dtype, tuple(g.shape), version(g)) for g in grads))
         if key != self._stored_key or self._stored is None:
             self._stored = exponent_histograms(grads, fmt)
             self._stored_key = key
@@ -265,30 +525,55 @@ class ParamTable:
     fp32 and are left out). Under Lightning's autocast precisions every parameter is fp32, and the gradients of the
     layers that autocast runs in half precision are formed from half-precision values: all floating-point
     parameters except those of norm layers.
+
+    **FSDP2** (``shards`` given): the parameters are fp32 ``DTensor`` shards, which are the masters; a parameter is in
+    the table when its ``fully_shard`` group all-gathers it in the half format. :meth:`grads` and :meth:`masters` then
+    give this process's shards (empty where another process counts a replicated shard, see :meth:`Shards.owns`).
     """
 
-    def __init__(self, module: nn.Module, plugin: Any) -> None:
+    def __init__(self, module: nn.Module, plugin: Any, shards: Optional[Shards] = None) -> None:
         masters = has_masters(plugin)
         kept = {id(p) for m in module.modules() if isinstance(m, DEFAULT_KEEP_FP32) for p in m.parameters()}
+        compute: dict[str, torch.dtype] = {}
+        if shards is not None and masters:
+            from lightning_mpt.fsdp import compute_dtypes
+
+            compute = compute_dtypes(module)
+        self.shards = shards
         self.names: list[str] = []
         self.params: list[Tensor] = []
         for name, p in module.named_parameters():
-            if (p.dtype in HALF_DTYPES) if masters else (p.is_floating_point() and id(p) not in kept):
+            if shards is not None and masters:
+                half = compute.get(name, p.dtype) in HALF_DTYPES
+            else:
+                half = (p.dtype in HALF_DTYPES) if masters else (p.is_floating_point() and id(p) not in kept)
+            if half:
                 self.names.append(name)
                 self.params.append(p)
+        self._owned = [shards is None or shards.owns(p) for p in self.params]
 
     def __len__(self) -> int:
         return len(self.params)
 
     def grads(self) -> list[Optional[Tensor]]:
-        return [p.grad for p in self.params]
+        """Each parameter's gradient as stored (this process's shard under FSDP2), ``None`` where it has none."""
+        if self.shards is None:
+            return [p.grad for p in self.params]
+        return [None if p.grad is None else _owned(p.grad, own) for p, own in zip(self.params, self._owned)]
 
     def masters(self, plugin: Any) -> list[Optional[Tensor]]:
         """The fp32 tensor the optimizer steps for each parameter, ``None`` where the half tensor is stepped itself
-        (``MPTPrecision(master_weights=False)``, ``"16-true"``)."""
+        (``MPTPrecision(master_weights=False)``, ``"16-true"``). Under FSDP2 the fp32 shards."""
+        if self.shards is not None:
+            return [_owned(p, own) if p.dtype == torch.float32 else None for p, own in zip(self.params, self._owned)]
         if has_masters(plugin):
             return [m if m is not p else None for p, m in ((p, plugin.master_of(p)) for p in self.params)]
         return [p if p.dtype == torch.float32 else None for p in self.params]
+
+
+def _owned(t: Tensor, own: bool) -> Tensor:
+    local = local_tensor(t)
+    return local if own else local.new_empty(0)
 
 
 def module_name(param_name: str) -> str:
@@ -338,16 +623,21 @@ class StoredFractions(Statistic):
         super().__init__(owner, f"the stored-gradient fractions ({tags.GRAD_ZERO}, {tags.GRAD_SUBNORMAL}, ...)", strict)
         self.names, self.fmt, self.per_parameter = list(names), fmt, per_parameter
 
-    def measure(self, recorder: Recorder, grads: Sequence[Optional[Tensor]], step: int) -> None:
-        """Queue the counts of ``grads`` (the gradients as the backward left them; ``None`` for none)."""
-        if not self.enabled:
-            return
-        with self.guarded():
-            counts = stored_counts(recorder.stored_histograms(grads, self.fmt), self.fmt)
-            present = [g for g in grads if g is not None]
+    def measure(self, recorder: Recorder, grads: Tensors, step: int) -> None:
+        """Queue the counts of ``grads`` (the gradients as the backward left them; ``None`` for none). Under FSDP2,
+        this process's shards: the counts are summed and the largest value maxed across processes."""
+
+        def compute() -> Parts:
+            found = _resolve(grads)
+            counts = stored_counts(recorder.stored_histograms(found, self.fmt), self.fmt)
+            present = [g for g in found if g is not None and g.numel()]
             top = max_abs(present).amax() if present else torch.zeros((), device=counts.device)
-            values = torch.cat([counts.reshape(-1).double(), top.reshape(1).to(counts.device, torch.float64)])
-            recorder.queue(self, values, lambda v: self._write(recorder.sink, v, step))
+            return [(counts.double(), "sum"), (top.reshape(1).to(counts.device, torch.float64), "max")]
+
+        n = len(self.names)
+        recorder.submit(
+            self, compute, lambda v: self._write(recorder.sink, v, step), lambda: [(5 * n, "sum"), (1, "max")]
+        )
 
     def _write(self, sink: Sink, v: list[float], step: int) -> None:
         n = len(self.names)
@@ -417,16 +707,20 @@ class ExponentHistograms(Statistic):
                 0,
             )
 
-    def measure(self, recorder: Recorder, grads: Sequence[Optional[Tensor]], step: int) -> None:
-        if not self.enabled:
-            return
-        with self.guarded():
-            hist = recorder.stored_histograms(grads, self.fmt)
+    def measure(self, recorder: Recorder, grads: Tensors, step: int) -> None:
+        """Queue the histograms of ``grads`` (stored, scaled; under FSDP2 this process's shards: the counts are summed
+        across processes)."""
+
+        def compute() -> Parts:
+            hist = recorder.stored_histograms(_resolve(grads), self.fmt)
             if self._index.device != hist.device:
                 self._index = self._index.to(hist.device)  # once: a host-to-device copy waits for the device
             grouped = torch.zeros(len(self.groups), hist.shape[1], dtype=hist.dtype, device=hist.device)
             grouped.index_add_(0, self._index, hist)
-            recorder.queue(self, grouped, lambda v: self._write(recorder.sink, v, step))
+            return [(grouped, "sum")]
+
+        size = len(self.groups) * len(exponent_bins(self.fmt))
+        recorder.submit(self, compute, lambda v: self._write(recorder.sink, v, step), lambda: [(size, "sum")])
 
     def _write(self, sink: Sink, v: list[float], step: int) -> None:
         fmt = self.fmt
@@ -460,25 +754,62 @@ class ExponentHistograms(Statistic):
 # ----------------------------------------------------------------------------------- the true gradients
 class ValueHistograms(Statistic):
     """Histograms of the true (unscaled) gradient values, one per parameter or group: ``mpt/grad/<name>``.
-    Non-finite values are left out (the exponent histograms and the fractions count them)."""
+    Non-finite values are left out (the exponent histograms and the fractions count them).
 
-    def __init__(self, bins: int = 32, owner: str = "diagnostics", strict: Optional[bool] = None) -> None:
+    Under FSDP2 each process holds shards of the gradients: one collective first takes the global minimum and
+    maximum of each group, every process bins its shards between them, and the counts, sums and sums of squares are
+    summed at the flush, so each histogram is that of the whole gradients.
+
+    Args:
+        names: the histograms' names (parameters or modules), one per group of gradients passed to :meth:`measure`.
+        bins: buckets per histogram.
+    """
+
+    def __init__(
+        self, names: Sequence[str], bins: int = 32, owner: str = "diagnostics", strict: Optional[bool] = None
+    ) -> None:
         super().__init__(owner, f"the gradient value histograms ({tags.per_parameter(tags.GRAD_HIST, '*')})", strict)
+        self.names = list(names)
         self.bins = bins
 
-    def measure(self, recorder: Recorder, groups: Sequence[tuple[str, Sequence[Tensor]]], step: int) -> None:
-        """Queue the histograms of ``groups``: ``(name, gradients)`` pairs, each drawn as one histogram."""
-        if not self.enabled or not groups:
+    def measure(
+        self, recorder: Recorder, groups: Callable[[], Sequence[Sequence[Tensor]]], step: int, scale: float = 1.0
+    ) -> None:
+        """Queue the histograms of the gradients that ``groups`` returns, one group per name (an empty group is left
+        out of the event file). ``scale``: the gradients are still scaled by it (drawn unscaled)."""
+        if not self.names or not recorder.live(self):
             return
-        with self.guarded():
-            names = [name for name, _ in groups]
-            stats = value_histograms([grads for _, grads in groups], self.bins)
-            recorder.queue(self, stats, lambda v: self._write(recorder.sink, v, step, names))
+        n, width = len(self.names), 5 + self.bins
+        found: Optional[Sequence[Sequence[Tensor]]] = None
+        ranges: Optional[Tensor] = None
+        if self.enabled:
+            with self.guarded():
+                found = groups()
+                if len(found) != n:
+                    raise RuntimeError(f"{len(found)} groups of gradients for {n} histograms")
+                ranges = value_ranges(found, scale)
+        if recorder.shards is not None:  # every process, also where this failed: the range is a collective
+            mine = ranges if ranges is not None else value_ranges([[] for _ in range(n)])
+            ranges = recorder.shards.reduce_ranges(mine)
 
-    def _write(self, sink: Sink, v: list[float], step: int, names: list[str]) -> None:
-        width = 5 + self.bins
-        for i, name in enumerate(names):
-            lo, hi, num, total, squares, *counts = v[i * width : (i + 1) * width]
+        def compute() -> Parts:
+            if found is None:
+                raise RuntimeError("no gradients")  # failed above (already reported): a placeholder
+            stats = value_histograms(found, self.bins, ranges, scale)
+            return [(stats[:, :2], "first"), (stats[:, 2:], "sum")]
+
+        recorder.submit(
+            self,
+            compute,
+            lambda v: self._write(recorder.sink, v, step),
+            lambda: [(2 * n, "first"), (n * (width - 2), "sum")],
+        )
+
+    def _write(self, sink: Sink, v: list[float], step: int) -> None:
+        n, rest = len(self.names), 3 + self.bins
+        for i, name in enumerate(self.names):
+            lo, hi = v[2 * i : 2 * i + 2]
+            num, total, squares, *counts = v[2 * n + i * rest : 2 * n + (i + 1) * rest]
             if num <= 0:
                 continue  # no finite value to draw
             if hi > lo:
@@ -522,34 +853,49 @@ class UpdateUnderflow(Statistic):
     ) -> None:
         super().__init__(owner, f"the update underflow ({tags.UPDATE_UNDERFLOW})", strict)
         self.names, self.fmt, self.per_parameter = list(names), fmt, per_parameter
-        self._snapshot: Optional[tuple[int, list[int], list[Tensor], list[Tensor]]] = None
+        self._due: Optional[tuple[int, list[int]]] = None  # the step and the parameters with a master
+        self._snapshot: Optional[tuple[list[Tensor], list[Tensor]]] = None  # the masters and their copies
 
     @property
     def pending(self) -> bool:
-        return self._snapshot is not None
+        return self._due is not None
 
-    def snapshot(self, masters: Sequence[Optional[Tensor]], step: int) -> None:
-        """Copy the fp32 masters before the optimizer step (``None`` for a parameter stepped in half precision)."""
-        if not self.enabled or self._snapshot is not None:
+    def snapshot(self, masters: Tensors, step: int) -> None:
+        """Copy the fp32 masters before the optimizer step (``None`` for a parameter stepped in half precision; under
+        FSDP2 this process's shards, all present)."""
+        if self._due is not None:
             return
-        with self.guarded():
-            index = [i for i, m in enumerate(masters) if m is not None]
-            current = [masters[i].detach() for i in index]  # type: ignore[union-attr]
-            if current:
-                self._snapshot = (step, index, current, [m.clone() for m in current])
+        index = list(range(len(self.names)))  # where gathering the masters fails: every parameter, as under FSDP2
+        if self.enabled:
+            with self.guarded():
+                found = _resolve(masters)
+                index = [i for i, m in enumerate(found) if m is not None]
+                current = [m.detach() for m in found if m is not None]
+                self._snapshot = (current, [m.clone() for m in current])
+        if index:
+            self._due = (step, index)
 
     def measure(self, recorder: Recorder) -> None:
-        """After the step: queue the counts of the changes since :meth:`snapshot`."""
-        snapshot, self._snapshot = self._snapshot, None
-        if snapshot is None or not self.enabled:
+        """After the step: queue the counts of the changes since :meth:`snapshot` (summed across processes under
+        FSDP2)."""
+        due, snapshot = self._due, self._snapshot
+        self._due = self._snapshot = None
+        if due is None:
             return
-        with self.guarded():
-            step, index, current, old = snapshot
-            counts = update_underflow_counts(old, current, self.fmt)  # the masters hold the stepped values now
-            recorder.queue(self, counts, lambda v: self._write(recorder.sink, v, step, index))
+        step, index = due
+
+        def compute() -> Parts:
+            if snapshot is None:
+                raise RuntimeError("no copy of the masters")  # the copy failed (already reported): a placeholder
+            current, old = snapshot
+            return [(update_underflow_counts(old, current, self.fmt), "sum")]  # the masters hold the stepped values
+
+        recorder.submit(
+            self, compute, lambda v: self._write(recorder.sink, v, step, index), lambda: [(2 * len(index), "sum")]
+        )
 
     def discard(self) -> None:
-        self._snapshot = None
+        self._due = self._snapshot = None
 
     def _write(self, sink: Sink, v: list[float], step: int, index: list[int]) -> None:
         changed, lost = v[0::2], v[1::2]
@@ -578,6 +924,10 @@ class FlushStatistics(Metric):
     """
 
     full_state_update = False
+    # the states add_state registers (as attributes torchmetrics sets at run time)
+    nonzero: Tensor
+    flushed: Tensor
+    max_scaled: Tensor
 
     def __init__(self, num_params: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -585,7 +935,7 @@ class FlushStatistics(Metric):
         self.add_state("flushed", torch.zeros(num_params, dtype=torch.int64), dist_reduce_fx="sum")
         self.add_state("max_scaled", torch.zeros(num_params), dist_reduce_fx="max")
 
-    def update(self, counts: Tensor, max_scaled: Tensor) -> None:  # type: ignore[override]
+    def update(self, counts: Tensor, max_scaled: Tensor) -> None:
         """``counts``: ``(P, 2)`` rows of ``(nonzero, flushed)`` (:func:`~lightning_mpt.numerics.flush_counts`);
         ``max_scaled``: ``(P,)`` largest ``|gradient * scale|`` per parameter."""
         self.nonzero += counts[:, 0].to(self.nonzero)
@@ -661,6 +1011,58 @@ class FlushReference(Statistic):
         self.metric.reset()
         return ReferenceStats(step, scale, self.names, counts[:, 0], counts[:, 1], nonzero, flushed, max_scaled)
 
+    def measure(
+        self,
+        recorder: Recorder,
+        grads: Callable[[], Optional[Sequence[Optional[Tensor]]]],
+        scale: float,
+        step: int,
+        agree: Callable[[bool], bool],
+        missing: Optional[str] = None,
+    ) -> Optional[ReferenceStats]:
+        """Count the fp32 reference gradients that ``grads`` computes (``None``: no loss to differentiate) at
+        ``scale``, reduce the counts across processes and queue them; return the result (on every process).
+
+        Every process must call it at the same steps: ``agree(ok)`` must return whether every process has its counts
+        (``strategy.reduce_boolean_decision(ok, all=True)``) before the collective of :meth:`reduce`. When one has
+        not, the reference is off on every process from then on (the failing one raises when strict, else warns with
+        the traceback; the others warn). ``missing``: why this process has nothing to measure (no batch to replay).
+        """
+        local: Optional[tuple[Tensor, Tensor]] = None
+        error: Optional[Exception] = None
+        reason = missing
+        if self.enabled and missing is None:
+            try:
+                found = grads()
+                if found is None:
+                    reason = "returned no loss to differentiate"
+                else:
+                    local = self.count(found, scale)
+            except Exception as e:  # handed to the statistic once the ranks agree: strict raises, else a warning
+                error = e
+        # every rank must agree before the collective in reduce(): one failing rank would leave the others waiting
+        if not agree(local is not None):
+            self.retired = True
+            if error is not None:
+                self.fail(error)
+            elif self.enabled:
+                self.enabled = False
+                warnings.warn(
+                    f"{self.owner}: the fp32 reference step {reason or 'failed on another process'}; flush fractions "
+                    "and scale headroom are off for the rest of this run.",
+                    DiagnosticsWarning,
+                    stacklevel=3,
+                )
+            return None
+        if local is None:  # every rank had a result, this one included (the decision above)
+            return None
+        with self.guarded():
+            stats = self.reduce(*local, scale, step)
+            if recorder.active:
+                self.queue(recorder, stats)
+            return stats
+        return None
+
     def queue(self, recorder: Recorder, stats: ReferenceStats) -> None:
         if not self.enabled:
             return
@@ -679,6 +1081,144 @@ class FlushReference(Statistic):
         if 0 < top < math.inf:  # a NaN/inf in the fp32 reference itself: no headroom to speak of
             values[tags.SCALE_HEADROOM] = math.log2(self.fmt.max / top)  # negative: the scale overflows
         sink.scalars(values, step)
+
+
+# ------------------------------------------------------------------------------- the fp32 re-run of a batch
+def reference_gradients(
+    module: nn.Module,
+    table: ParamTable,
+    plugin: Any,
+    run: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    rng: Optional[dict[str, Any]] = None,
+    divisor: float = 1.0,
+) -> Optional[list[Optional[Tensor]]]:
+    """fp32 gradients of a loss for ``table``'s parameters, computed with the fp32 masters, leaving every state as it
+    was: ``run(module, *args)`` is called with ``module``'s parameters replaced by fp32 weights (the masters; other
+    half parameters cast to fp32), autocast off and floating-point tensors in ``args`` cast to fp32, and returns the
+    loss (a tensor, or a mapping with ``"loss"``); ``None`` when it returns nothing to differentiate.
+
+    The weights stand in for the parameters through ``torch.func.functional_call``, which swaps module attributes:
+    the parameters themselves (their data, gradients and autograd accumulators, which DDP hooks) are never touched.
+    Buffers (BatchNorm statistics) and torchmetrics states the re-run updates are restored; with ``rng`` (from
+    :func:`rng_state`, taken before the real forward) the re-run draws the same random numbers (dropout masks), and
+    the random state continues afterwards where it was. ``divisor`` divides the loss (gradient accumulation).
+
+    Example:
+        ```python
+        import torch
+        from torch import nn
+        from lightning_mpt.callbacks.statistics import ParamTable, reference_gradients
+        from lightning_mpt.fabric import MPTPrecision
+
+        plugin = MPTPrecision("fp16")
+        model = plugin.convert_module(nn.Linear(4, 2))       # half weights, fp32 masters
+        x = torch.randn(8, 4)
+        grads = reference_gradients(model, ParamTable(model, plugin), plugin, lambda m, x: m(x).pow(2).mean(), (x,))
+        master = plugin.master_of(model.weight).detach().requires_grad_()
+        (expected,) = torch.autograd.grad((x @ master.T + plugin.master_of(model.bias)).pow(2).mean(), [master])
+        assert grads[0].dtype == torch.float32 and torch.allclose(grads[0], expected)
+        plugin.restore()
+        ```
+    """
+    # a master not yet next to its parameter (a plugin moves them at the first forward) is copied there
+    weights = {
+        n: (m.detach().to(p.device) if m is not None else p.detach().float()).requires_grad_(p.requires_grad)
+        for n, p, m in zip(table.names, table.params, table.masters(plugin))
+    }
+    # other half parameters ("16-true" norm layers) run in fp32 too
+    weights.update({
+        n: p.detach().float() for n, p in module.named_parameters() if p.dtype in HALF_DTYPES and n not in weights
+    })
+    inputs = apply_to_collection(args, Tensor, lambda t: t.float() if t.is_floating_point() else t)
+    device = next((w.device for w in weights.values()), torch.device("cpu"))
+    with ExitStack() as stack:
+        stack.enter_context(restored_state(module))
+        if rng is not None:
+            stack.enter_context(replayed_rng(rng))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.autocast(device.type, enabled=False))
+        out = torch.func.functional_call(
+            _Run(module, run), {f"module.{n}": w for n, w in weights.items()}, tuple(inputs), strict=False
+        )
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if not isinstance(loss, Tensor) or not loss.requires_grad:
+            return None
+        if divisor != 1.0:
+            loss = loss / divisor
+        wanted = [i for i, p in enumerate(table.params) if p.requires_grad]
+        found = torch.autograd.grad(loss, [weights[table.names[i]] for i in wanted], allow_unused=True)
+    grads: list[Optional[Tensor]] = [None] * len(table)
+    for i, g in zip(wanted, found):
+        grads[i] = g
+    return grads
+
+
+class _Run(nn.Module):
+    """``run(module, *args)`` as a forward, so that ``torch.func.functional_call`` can swap ``module``'s weights."""
+
+    def __init__(self, module: nn.Module, run: Callable[..., Any]) -> None:
+        super().__init__()
+        self.module = module
+        self.run = run
+
+    def forward(self, *args: Any) -> Any:
+        return self.run(self.module, *args)
+
+
+@contextmanager
+def restored_state(module: nn.Module) -> Iterator[None]:
+    """Restore buffers (BatchNorm running statistics) and torchmetrics states that code run inside may update."""
+    buffers = [(m, name, b, b.clone()) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
+    metrics = [(m, _metric_state(m)) for m in module.modules() if isinstance(m, Metric)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, b, copy in buffers:
+                if getattr(m, name) is not b:
+                    setattr(m, name, b)  # the re-run rebound it: put the original back (Module.__setattr__)
+                b.copy_(copy)
+        for m, state in metrics:
+            for k, v in state.items():
+                setattr(m, k, v)
+
+
+def _metric_state(m: Metric) -> dict[str, Any]:
+    state = {k: (v.clone() if isinstance(v, Tensor) else list(v)) for k, v in m.metric_state.items()}
+    state.update(metric_private_state(m))
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    """The random state of torch (CPU and, once initialised, CUDA), Python and NumPy (if imported)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        state["numpy"] = sys.modules["numpy"].random.get_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore a state of :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+
+
+@contextmanager
+def replayed_rng(state: dict[str, Any]) -> Iterator[None]:
+    """Run with the random state ``state`` (same dropout masks as the real step), then continue where it was."""
+    now = rng_state()
+    set_rng_state(state)
+    try:
+        yield
+    finally:
+        set_rng_state(now)
 
 
 # ----------------------------------------------------------------------------------------- the loss scale
@@ -704,6 +1244,22 @@ class LossScaleLog(Statistic):
         self.max_names = max_names
         self.overflow_counts: Counter[str] = Counter()
         self.overflows = 0  # skipped steps seen, cumulative (also across a resume)
+        self.seen = -1  # the last step of a plugin's history logged by :meth:`history`
+
+    def history(self, sink: Sink, records: Sequence[Any], scale_now: float) -> None:
+        """Log the steps of a plugin's ``history`` (``MPTPrecision.history``: records with ``step``, ``scale``,
+        ``skipped``, ``nonfinite_params``, ``loss_finite``) that are newer than :attr:`seen`; ``scale_now`` is the
+        plugin's ``loss_scale``, the scale after the last record."""
+        new = []
+        for record in reversed(records):
+            if record.step <= self.seen:
+                break
+            new.append(record)
+        new.reverse()
+        for i, r in enumerate(new):
+            after = new[i + 1].scale if i + 1 < len(new) else scale_now
+            self.step(sink, r.step, r.scale, after, r.skipped, _names_of(r), r.loss_finite)
+            self.seen = r.step
 
     def step(
         self,
@@ -786,6 +1342,10 @@ class LossScaleLog(Statistic):
                     f"| parameter | skipped steps |\n|---|---|\n{top}",
                     step,
                 )
+
+
+def _names_of(record: Any) -> Callable[[], list[str]]:
+    return lambda: list(record.nonfinite_params)
 
 
 def _json_float(x: float) -> Optional[float]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_mpt import tags

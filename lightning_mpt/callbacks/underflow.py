@@ -18,23 +18,19 @@ This module holds what needs the Trainer: when to measure, and the fp32 re-run o
 
 from __future__ import annotations
 
-import random
-import sys
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
-from torchmetrics import Metric
 
-from lightning_mpt._compat import metric_private_state
 from lightning_mpt.callbacks._common import Monitor, accumulating, check_every, due
 from lightning_mpt.callbacks.statistics import (
+    SHARDED_REFERENCE,
     FlushReference,
     FlushStatistics,
     ParamTable,
@@ -43,8 +39,9 @@ from lightning_mpt.callbacks.statistics import (
     UpdateUnderflow,
     half_format,
     loss_scale,
+    reference_gradients,
+    rng_state,
 )
-from lightning_mpt.master import HALF_DTYPES
 
 __all__ = ["FlushStatistics", "ReferenceStats", "UnderflowMonitor"]
 
@@ -153,16 +150,17 @@ class UnderflowMonitor(Monitor):
                 " nothing is measured. Use MPTPrecision('fp16'/'bf16') or precision='16-mixed'/'bf16-mixed'.",
             )
             return
-        table = ParamTable(pl_module, plugin)
+        table = ParamTable(pl_module, plugin, self.recorder.shards)
         if not len(table):
             self.warn_once("no half", f"UnderflowMonitor: no parameter is computed in {fmt.name}; nothing is measured.")
             return
         self._table = table
-        self._every = self.every_n_steps or trainer.log_every_n_steps or 1
-        common = {"per_parameter": self.per_parameter, "owner": "UnderflowMonitor", "strict": self.strict}
-        self.stored_stat = StoredFractions(table.names, fmt, **common)
+        log_every: int = getattr(trainer, "log_every_n_steps", 0)  # set by Lightning's logger connector
+        self._every = self.every_n_steps or log_every or 1
+        owner, strict, per_parameter = "UnderflowMonitor", self.strict, self.per_parameter
+        self.stored_stat = StoredFractions(table.names, fmt, per_parameter, owner, strict)
         if self.update_underflow:
-            self.update_stat = UpdateUnderflow(table.names, fmt, **common)
+            self.update_stat = UpdateUnderflow(table.names, fmt, per_parameter, owner, strict)
         self._reference_every = self.reference_every_n_steps
         if self._reference_every and not pl_module.automatic_optimization:
             self.warn_once(
@@ -171,35 +169,40 @@ class UnderflowMonitor(Monitor):
                 " ignored under manual optimization.",
             )
             self._reference_every = 0
+        if self._reference_every and self.recorder.sharded:
+            self.warn_once("sharded", SHARDED_REFERENCE)
+            self._reference_every = 0
         if self._reference_every:
-            self.reference_stat = FlushReference(table.names, fmt, device=pl_module.device, **common)
+            self.reference_stat = FlushReference(table.names, fmt, per_parameter, pl_module.device, owner, strict)
 
     # ------------------------------------------------------------------------------------------------ hooks
-    # The reference's hooks depend only on the cadence and the table, the same on every rank, never on whether a
-    # statistic failed on this rank: every rank must reach the decision before the reference's collective.
+    # What decides whether a statistic is measured is the same on every rank (the step, the cadence, the table, the
+    # recorder's liveness of the statistic), never whether it failed on this rank: under FSDP2 every rank must queue
+    # the same values for the flush's collective, and the reference's decision precedes its collective.
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.group is not None and self._table is not None and due(trainer.global_step, self._reference_every):
-            self._replay = _Replay(batch, batch_idx, _rng_state())  # the state this batch's training_step starts from
+            self._replay = _Replay(batch, batch_idx, rng_state())  # the state this batch's training_step starts from
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stat, table = self.stored_stat, self._table
-        if not (self.on and stat is not None and stat.enabled and table is not None and self.sink.active):
+        if not (self.measures(stat) and stat is not None and table is not None):
             return
         if not due(trainer.global_step, self._every) or accumulating(trainer, pl_module):
             return
-        stat.measure(self.recorder, table.grads(), trainer.global_step)
+        stat.measure(self.recorder, table.grads, trainer.global_step)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        if self.group is None or self._table is None:
+        table = self._table
+        if self.group is None or table is None:
             return
         step = trainer.global_step
         stat = self.update_stat
-        if self.on and stat is not None and stat.enabled and self.sink.active and due(step, self._every):
-            stat.snapshot(self._table.masters(trainer.precision_plugin), step)
+        if self.measures(stat) and stat is not None and due(step, self._every):
+            stat.snapshot(partial(table.masters, trainer.precision_plugin), step)
         if due(step, self._reference_every):  # every rank, also where the reference failed: they decide together
             replay, self._replay = self._replay, None
             self._reference(trainer, pl_module, replay, step)
@@ -224,152 +227,41 @@ class UnderflowMonitor(Monitor):
         if stat is None or table is None:  # set together at setup, where the reference is on
             return
         plugin = trainer.precision_plugin
-        scale = loss_scale(plugin)
-        local: Optional[tuple[Tensor, Tensor]] = None
-        error: Optional[Exception] = None
-        no_loss = False
-        if stat.enabled and replay is not None:
-            try:
-                grads = _reference_grads(trainer, pl_module, table, plugin, replay)
-                if grads is None:
-                    no_loss = True
-                else:
-                    local = stat.count(grads, scale)
-            except Exception as e:  # handed to the statistic once the ranks agree: strict raises, else a warning
-                error = e
-        # every rank must agree before the collective in reduce(): one failing rank would leave the others waiting
-        if not trainer.strategy.reduce_boolean_decision(local is not None, all=True):
+        result = stat.measure(
+            self.recorder,
+            lambda: _reference_grads(trainer, pl_module, table, plugin, replay) if replay is not None else None,
+            loss_scale(plugin),
+            step,
+            lambda ok: trainer.strategy.reduce_boolean_decision(ok, all=True),
+            missing="had no batch to replay" if replay is None else None,
+        )
+        if result is not None:
+            self.last_reference = result
+        if not stat.enabled:
             self._reference_every = 0
-            if error is not None:
-                stat.fail(error)
-            elif stat.enabled:
-                stat.enabled = False
-                self.warn_once(
-                    "reference",
-                    "UnderflowMonitor: the fp32 reference step "
-                    + (
-                        "returned no loss to differentiate"
-                        if no_loss
-                        else "had no batch to replay"
-                        if replay is None
-                        else "failed on another process"
-                    )
-                    + "; flush fractions and scale headroom are off for the rest of this run.",
-                )
-            return
-        if local is None:  # every rank had a result, this one included (the decision above)
-            return
-        with stat.guarded():
-            self.last_reference = stat.reduce(*local, scale, step)
-            if self.sink.active:
-                stat.queue(self.recorder, self.last_reference)
 
 
 # ---------------------------------------------------------------------------------------------------- the re-run
 def _reference_grads(
     trainer: pl.Trainer, pl_module: pl.LightningModule, table: ParamTable, plugin: Any, replay: _Replay
 ) -> Optional[list[Optional[Tensor]]]:
-    """fp32 gradients of the replayed batch's loss for ``table``'s parameters, leaving every state as it was.
-
-    The fp32 weights stand in for the module's parameters through ``torch.func.functional_call``, which swaps
-    module attributes: the parameters themselves (their data, gradients and autograd accumulators, which DDP
-    hooks) are never touched.
-    """
-    weights = {
-        n: (m.detach() if m is not None else p.detach().float()).requires_grad_(p.requires_grad)
-        for n, p, m in zip(table.names, table.params, table.masters(plugin))
-    }
-    # other half parameters ("16-true" norm layers) run in fp32 too
-    weights.update({
-        n: p.detach().float() for n, p in pl_module.named_parameters() if p.dtype in HALF_DTYPES and n not in weights
-    })
-    batch = apply_to_collection(replay.batch, Tensor, lambda t: t.float() if t.is_floating_point() else t)
-    with ExitStack() as stack:
-        stack.enter_context(_restored_state(pl_module))
-        stack.enter_context(_replayed_rng(replay.rng))
-        stack.enter_context(_discarded_logs(pl_module))
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(torch.autocast(pl_module.device.type, enabled=False))
-        out = torch.func.functional_call(
-            _TrainingStep(pl_module),
-            {f"module.{n}": w for n, w in weights.items()},
-            (batch, replay.batch_idx),
-            strict=False,
+    """fp32 gradients of the replayed batch's ``training_step`` loss for ``table``'s parameters, leaving every state
+    as it was (:func:`~lightning_mpt.callbacks.statistics.reference_gradients`); its ``self.log`` calls are
+    discarded and the loss is normalised as Lightning's closure does under gradient accumulation."""
+    with _discarded_logs(pl_module):
+        return reference_gradients(
+            pl_module,
+            table,
+            plugin,
+            _training_step,
+            (replay.batch, replay.batch_idx),
+            rng=replay.rng,
+            divisor=float(trainer.accumulate_grad_batches),
         )
-        loss = out.get("loss") if isinstance(out, Mapping) else out
-        if not isinstance(loss, Tensor) or not loss.requires_grad:
-            return None
-        loss = loss / trainer.accumulate_grad_batches  # as Lightning's closure normalises it
-        wanted = [i for i, p in enumerate(table.params) if p.requires_grad]
-        found = torch.autograd.grad(loss, [weights[table.names[i]] for i in wanted], allow_unused=True)
-    grads: list[Optional[Tensor]] = [None] * len(table)
-    for i, g in zip(wanted, found):
-        grads[i] = g
-    return grads
 
 
-class _TrainingStep(torch.nn.Module):
-    """``module.training_step`` as a forward, so that ``torch.func.functional_call`` can run it."""
-
-    def __init__(self, module: pl.LightningModule) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, batch: Any, batch_idx: int) -> Any:
-        return self.module.training_step(batch, batch_idx)
-
-
-@contextmanager
-def _restored_state(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Restore buffers (BatchNorm running statistics) and torchmetrics states the re-run may update."""
-    buffers = [(m, name, b, b.clone()) for m in pl_module.modules() for name, b in m.named_buffers(recurse=False)]
-    metrics = [(m, _metric_state(m)) for m in pl_module.modules() if isinstance(m, Metric)]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, name, b, copy in buffers:
-                if getattr(m, name) is not b:
-                    setattr(m, name, b)  # the re-run rebound it: put the original back (Module.__setattr__)
-                b.copy_(copy)
-        for m, state in metrics:
-            for k, v in state.items():
-                setattr(m, k, v)
-
-
-def _metric_state(m: Metric) -> dict[str, Any]:
-    state = {k: (v.clone() if isinstance(v, Tensor) else list(v)) for k, v in m.metric_state.items()}
-    state.update(metric_private_state(m))
-    return state
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        sys.modules["numpy"].random.set_state(state["numpy"])
-
-
-@contextmanager
-def _replayed_rng(state: dict[str, Any]) -> Iterator[None]:
-    """Run with the RNG state ``state`` (same dropout masks as the real step), then continue where training was."""
-    now = _rng_state()
-    _set_rng_state(state)
-    try:
-        yield
-    finally:
-        _set_rng_state(now)
+def _training_step(module: pl.LightningModule, batch: Any, batch_idx: int) -> Any:
+    return module.training_step(batch, batch_idx)
 
 
 def _discard_log(*args: Any, **kwargs: Any) -> None:
