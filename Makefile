@@ -25,7 +25,7 @@ ruff: $(STAMP)
 lint: ruff  ## ruff (lint and format) and mypy --strict on the package
 	$(VENV)/bin/mypy
 
-test: ruff  ## lint, the test suite and the strict documentation build (what CI runs)
+test: lint  ## lint (ruff, mypy --strict), the test suite and the strict documentation build (what CI runs)
 	MPT_REQUIRE_EXAMPLES=1 $(PY) -m pytest -q
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 

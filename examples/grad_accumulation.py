@@ -98,7 +98,8 @@ def measure(precision: str, accumulate_fp32: bool, args: Any) -> float:
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(dataset, batch_size=args.batch_size))
-    assert model.stepped is not None and plugin.skipped_steps == 0
+    assert model.stepped is not None
+    assert plugin.skipped_steps == 0
     return relative_error(model.stepped, [e.to(model.stepped[0].device) for e in exact])
 
 
@@ -108,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> dict[tuple[str, int], dict[str, fl
     p.add_argument("--micro-batches", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--width", type=int, default=64)
-    args = parse_args(p, argv, fast=dict(micro_batches=[32], batch_size=16, width=32))
+    args = parse_args(p, argv, fast={"micro_batches": [32], "batch_size": 16, "width": 32})
     results: dict[tuple[str, int], dict[str, float]] = {}
     for precision in ("fp16", "bf16"):
         for n in args.micro_batches:

@@ -1,8 +1,9 @@
 """Public names imported on first use (PEP 562), so that importing a light submodule stays light."""
 
 import sys
+from collections.abc import Callable
 from importlib import import_module
-from typing import Any, Callable
+from typing import Any
 
 
 def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:

@@ -44,9 +44,9 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from lightning.fabric import Fabric

@@ -8,10 +8,10 @@ fp32 copy), :class:`~lightning_mpt.policy.StepPolicy` (scale, decide, guard) and
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import lightning.pytorch as pl
 import torch

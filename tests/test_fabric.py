@@ -10,8 +10,9 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning as L
 import pytest

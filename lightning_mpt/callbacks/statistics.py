@@ -46,11 +46,11 @@ import sys
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -1193,7 +1193,7 @@ def _metric_state(m: Metric) -> dict[str, Any]:
 def rng_state() -> dict[str, Any]:
     """The random state of torch (CPU and, once initialised, CUDA), Python and NumPy (if imported)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if "numpy" in sys.modules:
         state["numpy"] = sys.modules["numpy"].random.get_state()
