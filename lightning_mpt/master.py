@@ -639,8 +639,11 @@ def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
 
 
 def _point(p: Tensor, data: Tensor, grad: Optional[Tensor]) -> None:
-    """Make parameter ``p`` hold ``data`` (possibly of another dtype) and ``grad``, keeping its identity."""
+    """Make parameter ``p`` hold ``data`` (possibly of another dtype) and ``grad``, keeping its identity. Its
+    ``grad_dtype`` is pinned to the new dtype: an earlier stage's restore pinned fp32 there (torch >= 2.13)."""
     p.grad = None
+    if _compat.GRAD_DTYPE:
+        p.grad_dtype = data.dtype
     p.data = data
     if grad is not None:
         p.grad = grad

@@ -614,3 +614,25 @@ def test_accumulate_fp32_is_checked():
         MPTPrecision("fp16", accumulate_fp32="yes")
     with pytest.raises(ValueError, match="needs master_weights=True"):
         MPTPrecision("fp16", accumulate_fp32=True, master_weights=False)
+
+
+# ------------------------------------------------------------------------ several stages on one module
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_second_fit_on_the_same_module(precision):
+    """Lightning keeps the gradients of the last step on the module after fit: a second fit (resuming, or after the
+    LR finder) converts a module that holds fp32 gradients again, and trains as a first fit would."""
+    torch.manual_seed(0)
+    model = TinyMLP()
+    quiet_trainer(max_steps=2, plugins=[MPTPrecision(precision)]).fit(model, regression_data())
+    assert model.net[0].weight.grad is not None
+    assert model.net[0].weight.grad.dtype == torch.float32
+    before = snapshot(model)
+    plugin = MPTPrecision(precision)
+    quiet_trainer(max_steps=2, plugins=[plugin]).fit(model, regression_data())
+    assert moved(before, snapshot(model)) > 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.net[0].weight.grad = None
+    (model(torch.randn(2, 16)).sum()).backward()  # and the module is a plain fp32 module again
+    assert model.net[0].weight.grad.dtype == torch.float32
