@@ -77,7 +77,9 @@ class PreparedGrads:
     shown_versions: list[int] = field(default_factory=list)  # of ``shown`` as written, to notice edits by hooks
     own_params: list[Tensor] = field(default_factory=list)  # parameters that are their own master (fp32)
     found_inf: Optional[Tensor] = None  # 0-dim, > 0 when a gradient was non-finite; None when no gradients
-    edited: Optional[Tensor] = None  # per entry of ``params``: whether its half weight was edited since the last step
+    # whether the half weights were edited since the last step: one flag per entry of ``params``, or a single flag
+    # for all of them (on CPU; adopt_edits then finds which)
+    edited: Optional[Tensor] = None
     entered: bool = False  # whether the optimizer holds the masters now
     master_versions: list[int] = field(default_factory=list)  # of the master grads as prepared, to notice clipping
 
@@ -336,16 +338,27 @@ class MasterWeights:
         for edited weights, whose flags are returned."""
         params, masters = out.params[start:stop], out.masters[start:stop]
         halves = [_grad(p) for p in params]
-        # a gradient already fp32 (left on the parameter by the last step and accumulated into) is used in place
-        fp32 = [g if g.dtype == torch.float32 else torch.empty_like(m) for g, m in zip(halves, masters)]
-        copy = [(f, g) for f, g in zip(fp32, halves) if f is not g]
-        if copy:
-            _compat.foreach_copy_([f for f, _ in copy], [g for _, g in copy])
+        # few Python objects per step: every container allocated counts toward the cyclic garbage collector's next
+        # pass, which walks the whole process (Lightning's object graph) and lands in whatever allocates
+        usual = all(g.dtype == p.dtype and g.is_contiguous() for g, p in zip(halves, params))
+        if usual:  # every gradient in its parameter's half format, as autograd leaves it
+            fp32 = [torch.empty_like(m) for m in masters]
+            _compat.foreach_copy_(fp32, halves)
+        else:  # a gradient already fp32 (left by the last step and accumulated into) is used in place
+            fp32 = [g if g.dtype == torch.float32 else torch.empty_like(m) for g, m in zip(halves, masters)]
+            todo = [i for i, (f, g) in enumerate(zip(fp32, halves)) if f is not g]
+            if todo:
+                _compat.foreach_copy_([fp32[i] for i in todo], [halves[i] for i in todo])
         flags = torch.zeros(0, dtype=torch.bool, device=params[0].device)
         if check_edits:
-            scratch = [
-                g if g.dtype == p.dtype and g.is_contiguous() else torch.empty_like(p) for g, p in zip(halves, params)
-            ]
+            scratch = (
+                halves
+                if usual
+                else [
+                    g if g.dtype == p.dtype and g.is_contiguous() else torch.empty_like(p)
+                    for g, p in zip(halves, params)
+                ]
+            )
             flags = _edited(params, masters, scratch)
         shown = fp32 if _compat.GRAD_DTYPE else halves
         for p, m, f, g in zip(params, masters, fp32, shown):
@@ -358,7 +371,7 @@ class MasterWeights:
     def adopt_edits(self, prepared: PreparedGrads, flags: list[float]) -> list[str]:
         """Copy into the masters the half weights that ``flags`` (the host values of ``prepared.edited``) mark as
         edited since the last step; return their names."""
-        edited = [(p, m) for p, m, f in zip(prepared.params, prepared.masters, flags) if f]
+        edited = _which(list(zip(prepared.params, prepared.masters)), flags)
         self._copy_into_masters(edited)
         return [self.name_of(p) for p, _ in edited]
 
@@ -369,7 +382,7 @@ class MasterWeights:
             return []
         with torch.no_grad():
             flags = _edited([p for p, _ in pairs], [m for _, m in pairs], [torch.empty_like(p) for p, _ in pairs])
-        edited = [pair for pair, f in zip(pairs, flags.tolist()) if f]
+        edited = _which(pairs, flags.tolist())
         self._copy_into_masters(edited)
         return [self.name_of(p) for p, _ in edited]
 
@@ -549,8 +562,11 @@ def _edited(params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) 
     _compat.foreach_copy_(scratch, masters)  # the masters rounded to the half format
     if not params:
         return torch.zeros(0, dtype=torch.bool)
-    if params[0].device.type == "cpu":  # CPUs emulate half arithmetic (60 ms for 3.4M values): compare bit patterns
-        return torch.stack([_bits_differ(s, p) for s, p in zip(scratch, params)])
+    if params[0].device.type == "cpu":
+        # CPUs emulate half arithmetic (60 ms for 3.4M values) and pay per tensor in Python: one comparison of the
+        # bit patterns of everything, a single flag; which parameters were edited is worked out only if one was
+        flat = torch.cat([s.reshape(-1) for s in scratch]), torch.cat([p.detach().reshape(-1) for p in params])
+        return _bits_differ(*flat).reshape(1)
     flags = torch.zeros(len(params), dtype=torch.bool, device=params[0].device)
     full = [i for i, t in enumerate(scratch) if t.numel()]  # an empty tensor cannot be edited (nor normed)
     if full:  # one fused launch per op: difference, then each tensor's largest
@@ -562,6 +578,16 @@ def _edited(params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) 
             else flags.index_copy(0, torch.tensor(full, device=flags.device), changed)
         )
     return flags
+
+
+def _which(pairs: list[tuple[Tensor, Tensor]], flags: list[float]) -> list[tuple[Tensor, Tensor]]:
+    """The ``(half parameter, master)`` pairs that ``flags`` (host values of :func:`_edited`) mark as edited. A single
+    flag for several pairs (CPU) says only that one was: each is compared then, which is rare."""
+    if len(flags) == 1 < len(pairs):
+        if not flags[0]:
+            return []
+        flags = [float(_bits_differ(m.to(p.dtype), p)) for p, m in pairs]
+    return [pair for pair, f in zip(pairs, flags) if f]
 
 
 def _bits_differ(a: Tensor, b: Tensor) -> Tensor:
