@@ -619,9 +619,9 @@ PLUGIN_METHODS = (  # labelled in profiles when they exist (names may change as 
     ("lightning_mpt.master", "MasterWeights", "prepare"),
     ("lightning_mpt.master", "MasterWeights", "enter"),
     ("lightning_mpt.master", "MasterWeights", "exit"),
-    ("lightning_mpt.master", "MasterWeights", "drop_stepped_grads"),
+    ("lightning_mpt.master", "MasterWeights", "release_stepped"),
     ("lightning_mpt.precision", "MPTPrecision", "pre_backward"),
-    ("lightning_mpt.precision", "MPTPrecision", "_decide"),
+    ("lightning_mpt.policy", "StepPolicy", "sync"),  # the step's one host sync
     ("torch.amp.grad_scaler", "GradScaler", "unscale_"),
     ("torch.amp.grad_scaler", "GradScaler", "update"),
 )
