@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import InjectInf, TinyMLP, regression_data, run_until_written
+from models import InjectInf, TinyMLP, quiet_trainer, regression_data, run_until_written
 
 from lightning_mpt import DynamicLossScaler, MPTPrecision
 
@@ -41,17 +41,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def gpu_trainer(**kwargs: Any) -> L.Trainer:
-    defaults: dict[str, Any] = {
-        "accelerator": "gpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    defaults.update(kwargs)
-    return L.Trainer(**defaults)
+    """The suite's quiet Trainer on one GPU."""
+    return quiet_trainer(**{"accelerator": "gpu", **kwargs})
 
 
 # ------------------------------------------------------------------------------------------------ training
