@@ -98,7 +98,6 @@ class PreparedGrads:
 @dataclass
 class _Plan:
     key: tuple[tuple[int, int], ...]  # (id, length) of each group's parameter list when the plan was made
-    slots: list[tuple[list[Tensor], int, Tensor, Tensor]] = field(default_factory=list)  # (group, index, param, master)
     own: list[Tensor] = field(default_factory=list)  # parameters that are their own master
     device: Optional[torch.device] = None  # the one device all of them live on, if there is one
     # per group: (its parameter list, its entries as parameters, its entries as masters), for one-call swaps
@@ -289,14 +288,13 @@ class MasterWeights:
                 params = group["params"]
                 mine = [self._param_of.get(x, x) for x in params]  # the groups may hold the masters right now
                 plan.groups.append((params, mine, self.main_params(mine)))
-                for i, p in enumerate(mine):
+                for p in mine:
                     m = self._masters.get(p)
                     if m is None:
                         plan.own.append(p)
                     else:
-                        plan.slots.append((params, i, p, m))
                         plan.pairs.append((p, m))
-            devices = {p.device for p in plan.own} | {m.device for *_, m in plan.slots}
+            devices = {p.device for p in plan.own} | {m.device for _, m in plan.pairs}
             plan.device = devices.pop() if len(devices) == 1 else None
             self._plans[optimizer] = plan
         return plan
@@ -310,7 +308,7 @@ class MasterWeights:
         """
         out = PreparedGrads()
         plan = self._plan(optimizer)
-        for _, _, p, master in plan.slots:
+        for p, master in plan.pairs:
             if p.grad is None:
                 master.grad = None
             else:
