@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -18,6 +18,9 @@ from torch.optim import Optimizer
 from lightning_mpt.engine import MixedPrecisionEngine
 from lightning_mpt.policy import StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 class EngineAttributes:
@@ -83,6 +86,29 @@ class EngineAttributes:
         """The half-precision format of the model's weights: ``torch.float16`` or ``torch.bfloat16``."""
         return self._dtype
 
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """FSDP2's mixed-precision policy for this plugin: pass it to ``fully_shard`` under ``ModelParallelStrategy``
+        (in the LightningModule's ``configure_model`` with the Trainer, in the ``parallelize_fn`` with Fabric).
+
+        Parameters are all-gathered and computed in the plugin's half format and gradients reduce-scattered in it
+        (half the bytes of fp32); FSDP keeps the fp32 shards, which are the masters. For fp32 gradient reduction pass
+        ``dataclasses.replace(plugin.mp_policy, reduce_dtype=torch.float32)`` instead. See docs/distributed.md.
+
+        Example:
+            ```python
+            from lightning_mpt.fabric import MPTPrecision
+
+            plugin = MPTPrecision("bf16", sharded=True)
+            assert plugin.mp_policy.param_dtype == plugin.mp_policy.reduce_dtype == torch.bfloat16
+            # Trainer, in configure_model: fully_shard(block, mp_policy=self.trainer.precision_plugin.mp_policy)
+            # Fabric, in parallelize_fn:   fully_shard(block, mp_policy=plugin.mp_policy)
+            ```
+        """
+        from lightning_mpt.fsdp import mixed_precision_policy
+
+        return mixed_precision_policy(self._dtype)
+
     def master_of(self, param: Tensor) -> Tensor:
         """The fp32 tensor the optimizer steps for the module parameter ``param``: its master, or ``param`` itself
         when it has none (norm layers, ``master_weights=False``).
@@ -138,6 +164,18 @@ class EngineAttributes:
     def __repr__(self) -> str:
         name = "fp16" if self._dtype == torch.float16 else "bf16"
         return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
+
+
+def report_half_kept(names: list[str]) -> None:
+    """Say which norm layers FSDP2 all-gathers in the half format with their block (``ShardedMasters``'s
+    ``on_half_kept``)."""
+    shown = ", ".join(names[:8]) + (" and more" if len(names) > 8 else "")
+    rank_zero_info(
+        f"MPTPrecision: FSDP2 all-gathers the parameters of {shown} in the half format with the block they belong to "
+        "(one policy per fully_shard group). Their fp32 masters, gradients, optimizer state and buffers stay fp32 "
+        "and autocast runs norm ops in fp32. To compute with fp32 weights too, shard each of them on its own before "
+        "its block: fully_shard(norm, mesh=mesh)."
+    )
 
 
 def _params_of(optimizer: Optimizer) -> Iterable[Tensor]:

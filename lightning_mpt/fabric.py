@@ -16,6 +16,11 @@ attributes, the same :class:`~lightning_mpt.engine.MixedPrecisionEngine` underne
 - ``fabric.save``/``fabric.load``: the model's ``state_dict`` holds the fp32 masters; put the plugin in the state to
   save the scaler and counters.
 
+Under FSDP2 (Fabric's ``ModelParallelStrategy``, ``MPTPrecision(..., sharded=True)``) ``fabric.setup_module`` leaves the
+model fp32 and the strategy's ``parallelize_fn`` shards it with ``fully_shard(..., mp_policy=plugin.mp_policy)``: its
+fp32 shards are the masters and FSDP computes in the half format (:mod:`lightning_mpt.fsdp`). Everything else above
+holds as it is.
+
 Example:
     ```python
     import lightning as L
@@ -60,7 +65,7 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _compat
 from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
-from lightning_mpt._attributes import EngineAttributes, _params_of
+from lightning_mpt._attributes import EngineAttributes, _params_of, report_half_kept
 from lightning_mpt._lazy import lazy_exports
 from lightning_mpt.engine import MixedPrecisionEngine
 from lightning_mpt.master import DEFAULT_KEEP_FP32
@@ -75,9 +80,10 @@ __all__ = ["MPTPrecision", "MixedPrecisionLogger", "NonFiniteGradientError", "St
 __getattr__, __dir__ = lazy_exports(__name__, {"MixedPrecisionLogger": "lightning_mpt.fabric_logging"})
 
 _SUPPORTED = (
-    "Supported: a single device and the DDP family (Fabric(strategy='ddp'), 'ddp_spawn', 'ddp_fork', "
-    "'ddp_notebook'). Sharded strategies (FSDP, ModelParallelStrategy/FSDP2, DeepSpeed) bring their own mixed "
-    "precision: use Fabric(precision='16-mixed' or 'bf16-mixed') with them."
+    "Supported: a single device, the DDP family (Fabric(strategy='ddp'), 'ddp_spawn', 'ddp_fork', 'ddp_notebook') "
+    "and FSDP2: ModelParallelStrategy with fully_shard in its parallelize_fn and MPTPrecision(..., sharded=True). "
+    "FSDP1 ('fsdp') and DeepSpeed bring their own mixed precision: use Fabric(precision='16-mixed' or 'bf16-mixed') "
+    "with them."
 )
 
 
@@ -91,7 +97,7 @@ class MPTPrecision(EngineAttributes, Precision):
     non-finite gradient is skipped and changes nothing.
 
     One module per plugin: ``fabric.setup`` a second model raises (put the models in one ``nn.Module``).
-    Supported strategies: one device and DDP.
+    Supported strategies: one device, DDP, and FSDP2 (``ModelParallelStrategy``) with ``sharded=True``.
 
     Args:
         precision: ``"fp16"`` or ``"bf16"``.
@@ -102,6 +108,13 @@ class MPTPrecision(EngineAttributes, Precision):
             tuple of classes.
         max_consecutive_skips: raise :class:`~lightning_mpt.NonFiniteGradientError` after this many skipped steps in
             a row of one optimizer.
+        accumulate_fp32: with gradient accumulation, sum the micro-batches' gradients in fp32 rather than in the half
+            format (torch >= 2.13; see the Trainer plugin). Under DDP pass the model to each backward,
+            ``fabric.backward(loss, model=model)``, so that the plugin sees which backward synchronises.
+        sharded: the model is sharded with FSDP2 after ``fabric.setup_module`` (Fabric's ``ModelParallelStrategy``,
+            whose ``parallelize_fn`` calls ``fully_shard(..., mp_policy=plugin.mp_policy)``): set-up leaves it fp32,
+            so that FSDP2's fp32 shards are the masters, with no copy. Fabric converts a model before the strategy
+            shards it, so the plugin cannot tell by itself.
 
     Example:
         ```python
@@ -125,16 +138,23 @@ class MPTPrecision(EngineAttributes, Precision):
         master_weights: bool = True,
         keep_fp32: Union[type[Module], tuple[type[Module], ...]] = DEFAULT_KEEP_FP32,
         max_consecutive_skips: int = 50,
+        accumulate_fp32: bool = False,
+        sharded: bool = False,
     ) -> None:
-        dtype, scaler, keep_fp32 = check_arguments(precision, scaler, master_weights, keep_fp32, max_consecutive_skips)
+        dtype, scaler, keep_fp32 = check_arguments(
+            precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
+        )
+        _check_sharded(sharded, master_weights)
         self.precision = LIGHTNING_NAMES[precision]  # type: ignore[assignment]
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set from the module
         self.master_weights = master_weights
         self.keep_fp32 = keep_fp32
         self.max_consecutive_skips = max_consecutive_skips
+        self.accumulate_fp32 = accumulate_fp32
+        self.sharded = sharded
         self._dtype = dtype
         self._engine = MixedPrecisionEngine(
-            dtype, scaler, master_weights, keep_fp32, max_consecutive_skips, on_edits=self._report_edits
+            dtype, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32, self._report_edits
         )
         self._module: Optional[Module] = None  # the converted module
         self._params: set[Tensor] = set()  # its parameters at conversion, to notice a strategy that replaced them
@@ -146,7 +166,8 @@ class MPTPrecision(EngineAttributes, Precision):
     # ------------------------------------------------------------------ model set-up and teardown
     def convert_module(self, module: Module) -> Module:
         """Cast ``module`` to the half format in place (``fabric.setup`` calls it first); its fp32 tensors become the
-        masters."""
+        masters. With ``sharded=True`` the module stays fp32 for FSDP2 to shard; the plugin takes its shards as the
+        masters at the first forward."""
         if module is self._module:
             return module
         if self._module is not None:
@@ -157,11 +178,14 @@ class MPTPrecision(EngineAttributes, Precision):
                 "Set the models up as one module (for example an nn.ModuleDict with both) or call "
                 "`fabric.strategy.precision.restore()` when done with the first."
             )
-        self._engine.convert(module)
         self._module = module
-        self._params = set(module.parameters())
         self._ready = False
-        self._synced = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        if self.sharded:  # the strategy shards it next: nothing to cast, no replica to make equal across processes
+            self._params, self._synced = set(), True
+            return module
+        self._engine.convert(module)
+        self._params = set(module.parameters())
+        self._synced = not _distributed()
         return module
 
     def adopt(self, *optimizers: Optimizer) -> None:
@@ -186,7 +210,7 @@ class MPTPrecision(EngineAttributes, Precision):
             ```
         """
         for optimizer in optimizers:
-            self._adopt(_unwrap(optimizer))
+            self._checked(optimizer)
 
     def restore(self) -> None:
         """End mixed precision for the module: it gets fp32 parameters equal to the masters (edits of its half weights
@@ -229,7 +253,7 @@ class MPTPrecision(EngineAttributes, Precision):
         self._ensure_ready()
         if not self._synced:
             self._sync_masters()
-        self._engine.scale_loss(tensor).backward(*args, **kwargs)
+        self._engine.scale_loss(tensor, sync=self._syncs(model)).backward(*args, **kwargs)
 
     # ------------------------------------------------------------------ the optimizer step
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -286,19 +310,36 @@ class MPTPrecision(EngineAttributes, Precision):
 
     # ------------------------------------------------------------------ internals
     def _ensure_ready(self) -> None:
-        """Once after set-up: refuse a strategy that replaced the parameters, move the masters next to them."""
+        """Once after set-up: take FSDP2's shards as the masters (``sharded``), or refuse a strategy that replaced
+        the parameters and move the masters next to them."""
         if self._ready or self._module is None:
             return
+        if self.sharded:
+            from lightning_mpt.fsdp import ShardedMasters
+
+            self._engine.masters = ShardedMasters(self._dtype, self.keep_fp32, report_half_kept, loop="fabric")
+            self._engine.convert(self._module)  # checks the sharding: a clear error for a module left unsharded
+            self._params = set(self._module.parameters())
         params = list(self._module.parameters())
         if any(p not in self._params for p in params):
-            raise ValueError(
-                "MPTPrecision: the module's parameters were replaced after it was converted, by a sharding strategy "
-                f"(or by code that swapped them after fabric.setup); its fp32 masters no longer match. {_SUPPORTED}"
-            )
+            raise ValueError(_replaced(self._module, self._dtype))
         self._engine.masters.follow_devices()
         if params:
             self.device = params[0].device.type
         self._ready = True
+
+    def _syncs(self, model: Optional[Module]) -> bool:
+        """Whether this backward reduces gradients across processes (``False`` inside ``fabric.no_backward_sync``):
+        with ``accumulate_fp32`` the fp32 sum goes back to the half format for DDP's reducer there."""
+        if not self.accumulate_fp32 or self.sharded or not _distributed():
+            return True
+        sync = getattr(model, "require_backward_grad_sync", None)
+        if sync is None:
+            raise ValueError(
+                "MPTPrecision(accumulate_fp32=True) under DDP needs the model in each backward, to see whether it "
+                "synchronises gradients (fabric.no_backward_sync): call fabric.backward(loss, model=model)."
+            )
+        return bool(sync)
 
     def _sync_masters(self) -> None:
         """Make every process hold the masters of rank 0. DDP made the half weights equal at set-up (rank 0's), so the
@@ -356,6 +397,49 @@ class MPTPrecision(EngineAttributes, Precision):
                 "dtype, so the run does not resume exactly. Call `fabric.strategy.precision.adopt(optimizer)` after "
                 "`fabric.setup` and before `fabric.load`."
             )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _check_sharded(sharded: Any, master_weights: bool) -> None:
+    if not isinstance(sharded, bool):
+        raise TypeError(f"MPTPrecision(sharded={sharded!r}): expected a bool (True or False).")
+    if not sharded:
+        return
+    if not master_weights:
+        raise ValueError(
+            "MPTPrecision(sharded=True, master_weights=False) is not supported: FSDP2 keeps fp32 parameter shards, "
+            "which are the master weights. Use master_weights=True (the default)."
+        )
+    try:
+        import lightning_mpt.fsdp  # noqa: F401
+    except ImportError as err:  # torch < 2.6 has no public FSDP2 (torch.distributed.fsdp.fully_shard)
+        raise ImportError(
+            f"MPTPrecision(sharded=True) needs torch >= 2.6 (FSDP2); this is torch {torch.__version__}."
+        ) from err
+
+
+def _replaced(module: Module, dtype: torch.dtype) -> str:
+    """Why the module's parameters are not those the plugin converted, and what to do."""
+    try:
+        from lightning_mpt.fsdp import is_sharded
+    except ImportError:
+        sharded = False
+    else:
+        sharded = is_sharded(module)
+    if sharded:
+        return (
+            f"MPTPrecision: the module was sharded with FSDP2 (fully_shard) after the plugin had cast it to {dtype}, "
+            "so FSDP2 holds half-precision shards and the plugin's fp32 masters no longer match. Under "
+            "ModelParallelStrategy create the plugin with MPTPrecision(..., sharded=True): set-up then leaves the "
+            "model fp32 and FSDP2's fp32 shards are the masters; pass mp_policy=plugin.mp_policy to fully_shard."
+        )
+    return (
+        "MPTPrecision: the module's parameters were replaced after it was converted, by a sharding strategy "
+        f"(or by code that swapped them after fabric.setup); its fp32 masters no longer match. {_SUPPORTED}"
+    )
 
 
 def _unwrap(optimizer: Any) -> Any:

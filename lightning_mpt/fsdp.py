@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,15 +53,41 @@ __all__ = [
     "mixed_precision_policy",
 ]
 
-_HOW = (
-    "In the LightningModule's configure_model, shard the blocks and then the model's root module with torch's "
-    "fully_shard and the plugin's policy:\n"
-    "    policy = self.trainer.precision_plugin.mp_policy\n"
-    "    mesh = self.device_mesh['data_parallel']\n"
-    "    for block in self.model.blocks:\n"
-    "        fully_shard(block, mesh=mesh, mp_policy=policy)\n"
-    "    fully_shard(self.model, mesh=mesh, mp_policy=policy)"
-)
+
+@dataclass(frozen=True)
+class _Loop:
+    """Where the user shards the model and reaches the plugin, for messages that say how to fix a sharding."""
+
+    shards_in: str  # where fully_shard is called
+    policy: str  # the expression for the plugin's policy there
+    how: str
+
+
+_LOOPS = {
+    "trainer": _Loop(
+        "configure_model",
+        "self.trainer.precision_plugin.mp_policy",
+        "In the LightningModule's configure_model, shard the blocks and then the model's root module with torch's "
+        "fully_shard and the plugin's policy:\n"
+        "    policy = self.trainer.precision_plugin.mp_policy\n"
+        "    mesh = self.device_mesh['data_parallel']\n"
+        "    for block in self.model.blocks:\n"
+        "        fully_shard(block, mesh=mesh, mp_policy=policy)\n"
+        "    fully_shard(self.model, mesh=mesh, mp_policy=policy)",
+    ),
+    "fabric": _Loop(
+        "the parallelize_fn of ModelParallelStrategy",
+        "fabric.strategy.precision.mp_policy",
+        "In the parallelize_fn given to Fabric's ModelParallelStrategy, shard the blocks and then the model's root "
+        "module with torch's fully_shard and the plugin's policy:\n"
+        "    def parallelize(model, device_mesh):\n"
+        "        policy, mesh = plugin.mp_policy, device_mesh['data_parallel']  # plugin: the MPTPrecision\n"
+        "        for block in model.blocks:\n"
+        "            fully_shard(block, mesh=mesh, mp_policy=policy)\n"
+        "        fully_shard(model, mesh=mesh, mp_policy=policy)\n"
+        "        return model",
+    ),
+}
 
 
 def mixed_precision_policy(dtype: torch.dtype, reduce_dtype: Optional[torch.dtype] = None) -> MixedPrecisionPolicy:
@@ -95,7 +121,10 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def check_sharding(
-    module: nn.Module, dtype: torch.dtype, keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32
+    module: nn.Module,
+    dtype: torch.dtype,
+    keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32,
+    loop: Literal["trainer", "fabric"] = "trainer",
 ) -> list[str]:
     """Check that ``module`` is sharded with FSDP2 as the plugin needs; raise a ``ValueError`` that says how to fix
     it otherwise. Returns the names of ``keep_fp32`` modules (norm layers) whose parameters FSDP all-gathers in the
@@ -113,11 +142,12 @@ def check_sharding(
             assert "no FSDP2 module" in str(err)
         ```
     """
+    where = _LOOPS[loop]
     groups = {name: m for name, m in module.named_modules() if isinstance(m, FSDPModule)}
     if not groups:
         raise ValueError(
             f"MPTPrecision under FSDP2 needs a model sharded with torch's fully_shard, and {type(module).__name__} has "
-            f"no FSDP2 module: configure_model did not shard anything. {_HOW}\n"
+            f"no FSDP2 module: {where.shards_in} did not shard anything. {where.how}\n"
             "MPTPrecision supports one device, the DDP family and ModelParallelStrategy with FSDP2 (fully_shard). "
             "Tensor parallelism without fully_shard, FSDP1 ('fsdp') and DeepSpeed are not supported."
         )
@@ -138,7 +168,7 @@ def check_sharding(
     if unsharded:
         raise ValueError(
             f"MPTPrecision under FSDP2: the parameters {_some(unsharded)} are not sharded by fully_shard, so nothing "
-            f"would reduce their gradients across processes. Call fully_shard on the root module last. {_HOW}"
+            f"would reduce their gradients across processes. Call fully_shard on the root module last. {where.how}"
         )
     if not_fp32:
         raise ValueError(
@@ -155,20 +185,20 @@ def check_sharding(
             continue
         param_dtype = policy.param_dtype or torch.float32
         reduce_dtype = policy.reduce_dtype or param_dtype
-        where = f"fully_shard({group or '<root>'}, mp_policy={policy})"
+        call = f"fully_shard({group or '<root>'}, mp_policy={policy})"
         only_kept = all(k for _, k in params)
         if param_dtype == torch.float32 and not only_kept:
             raise ValueError(
-                f"MPTPrecision('{name_of}') under FSDP2: {where} all-gathers {_some([n for n, k in params if not k])} "
+                f"MPTPrecision('{name_of}') under FSDP2: {call} all-gathers {_some([n for n, k in params if not k])} "
                 f"in fp32, so they would compute in fp32. Pass the plugin's policy, "
-                f"mp_policy=self.trainer.precision_plugin.mp_policy (param_dtype={dtype}). Only modules of keep_fp32 "
+                f"mp_policy={where.policy} (param_dtype={dtype}). Only modules of keep_fp32 "
                 "types (norm layers) may be sharded on their own in fp32."
             )
         if param_dtype not in (dtype, torch.float32) or reduce_dtype not in (dtype, torch.float32):
             raise ValueError(
-                f"MPTPrecision('{name_of}') under FSDP2: {where} contradicts the plugin, whose half format is {dtype}. "
+                f"MPTPrecision('{name_of}') under FSDP2: {call} contradicts the plugin, whose half format is {dtype}. "
                 f"Use param_dtype={dtype} and reduce_dtype={dtype} or torch.float32, e.g. "
-                "mp_policy=self.trainer.precision_plugin.mp_policy."
+                f"mp_policy={where.policy}."
             )
         if param_dtype == dtype:
             half_kept += sorted({near for n, k in params if k and (near := _nearest(n.rpartition(".")[0], kept))})
@@ -250,6 +280,7 @@ class ShardedMasters:
         keep_fp32: module types whose parameters may be sharded on their own in fp32 (norm layers).
         on_half_kept: called at :meth:`convert` with the names of ``keep_fp32`` modules that FSDP all-gathers in the
             half format with their block (see :func:`check_sharding`).
+        loop: what runs the loop, ``"trainer"`` or ``"fabric"``: where the messages say to call ``fully_shard``.
 
     Example:
         ```python
@@ -284,19 +315,21 @@ class ShardedMasters:
         dtype: torch.dtype,
         keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32,
         on_half_kept: Optional[Callable[[list[str]], None]] = None,
+        loop: Literal["trainer", "fabric"] = "trainer",
     ) -> None:
         if dtype not in HALF_DTYPES:
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         self.dtype = dtype
         self.keep_fp32 = tuple(keep_fp32)
         self.on_half_kept = on_half_kept
+        self.loop: Literal["trainer", "fabric"] = loop
         self._names: dict[Tensor, str] = {}
 
     # ------------------------------------------------------------------ set-up and teardown
     def convert(self, module: nn.Module) -> nn.Module:
         """Check how ``module`` was sharded (:func:`check_sharding`) and learn its parameter names. Nothing is cast:
         FSDP casts, per its policy, when it all-gathers."""
-        half_kept = check_sharding(module, self.dtype, self.keep_fp32)
+        half_kept = check_sharding(module, self.dtype, self.keep_fp32, self.loop)
         if half_kept and self.on_half_kept is not None:
             self.on_half_kept(half_kept)
         self._names = {p: name for name, p in module.named_parameters()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
 import torch
@@ -19,21 +19,18 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _compat
 from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
-from lightning_mpt._attributes import EngineAttributes
+from lightning_mpt._attributes import EngineAttributes, report_half_kept
 from lightning_mpt.engine import Masters, MixedPrecisionEngine
 from lightning_mpt.master import DEFAULT_KEEP_FP32
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
-
-if TYPE_CHECKING:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strategy"]
 
@@ -102,26 +99,6 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
 
     _access = "trainer.precision_plugin"
 
-    @property
-    def mp_policy(self) -> MixedPrecisionPolicy:
-        """FSDP2's mixed-precision policy for this plugin: pass it to ``fully_shard`` in ``configure_model`` under
-        Lightning's ``ModelParallelStrategy``.
-
-        Parameters are all-gathered and computed in the plugin's half format and gradients reduce-scattered in it
-        (half the bytes of fp32); FSDP keeps the fp32 shards, which are the masters. For fp32 gradient reduction pass
-        ``dataclasses.replace(plugin.mp_policy, reduce_dtype=torch.float32)`` instead. See docs/distributed.md.
-
-        Example:
-            ```python
-            plugin = MPTPrecision("bf16")
-            assert plugin.mp_policy.param_dtype == plugin.mp_policy.reduce_dtype == torch.bfloat16
-            # in configure_model: fully_shard(block, mp_policy=self.trainer.precision_plugin.mp_policy)
-            ```
-        """
-        from lightning_mpt.fsdp import mixed_precision_policy
-
-        return mixed_precision_policy(self._dtype)
-
     # ------------------------------------------------------------------ model set-up and teardown
     def convert_module(self, module: Module) -> Module:
         trainer = _compat.attached_trainer(module)
@@ -150,7 +127,7 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
                 "MPTPrecision(master_weights=False) is not supported under FSDP2: FSDP2 keeps fp32 parameter shards, "
                 "which are the master weights. Use master_weights=True (the default)."
             )
-        return fsdp.ShardedMasters(self._dtype, self.keep_fp32, on_half_kept=_report_half_kept)
+        return fsdp.ShardedMasters(self._dtype, self.keep_fp32, on_half_kept=report_half_kept)
 
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -317,16 +294,6 @@ class _MasterView:
 
     def parameters(self) -> Iterator[Tensor]:
         return iter(self.masters.main_params(self.module.parameters()))
-
-
-def _report_half_kept(names: list[str]) -> None:
-    shown = ", ".join(names[:8]) + (" and more" if len(names) > 8 else "")
-    rank_zero_info(
-        f"MPTPrecision: FSDP2 all-gathers the parameters of {shown} in the half format with the block they belong to "
-        "(one policy per fully_shard group). Their fp32 masters, gradients, optimizer state and buffers stay fp32 "
-        "and autocast runs norm ops in fp32. To compute with fp32 weights too, shard each of them on its own before "
-        "its block: fully_shard(norm, mesh=mesh)."
-    )
 
 
 def check_strategy(strategy: Any) -> None:

@@ -1,13 +1,16 @@
 """A 2-process CPU (gloo) Fabric loop for tests/test_fabric.py; each rank writes what it saw to ``OUT/rank<r>.json``.
 
 usage: python fabric_ddp_worker.py OUT [--inject-step K] [--inject-rank R] [--accumulate N] [--steps S]
+       [--accumulate-fp32]
 
 ``Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[MPTPrecision("fp16")])``. The ranks start from
 different weights on purpose (DDP makes the half weights equal, the plugin the masters) and see different data.
 Each optimizer step accumulates ``N`` micro-batches under ``fabric.no_backward_sync`` (the last one syncs); after
 the last backward of step ``K`` rank ``R`` writes an inf into one gradient. Per step a rank records the scale the
 step ran at, whether it was skipped, the culprits, a SHA-1 of its fp32 masters, of its half weights and of its
-optimizer state, and the bytes its DDP communication hook all-reduced.
+optimizer state, and the bytes its DDP communication hook all-reduced. ``--accumulate-fp32``: the plugin sums the
+micro-batches in fp32 and each backward gets ``model=model``; the first one is tried without it first, and the error
+is written to ``OUT/error-without-model-rank<r>.txt``.
 """
 
 import argparse
@@ -40,10 +43,11 @@ def main() -> None:
     p.add_argument("--inject-rank", type=int, default=1)
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--accumulate-fp32", action="store_true")
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    mpt = MPTPrecision("fp16")
+    mpt = MPTPrecision("fp16", accumulate_fp32=args.accumulate_fp32)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[mpt])
     fabric.launch()
     rank = fabric.global_rank
@@ -69,7 +73,15 @@ def main() -> None:
             y = torch.randn(8, 4, generator=g)
             with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
                 loss = nn.functional.mse_loss(model(x), y)
-                fabric.backward(loss)
+                if args.accumulate_fp32:
+                    if step == micro == 0:
+                        try:
+                            fabric.backward(loss)
+                        except ValueError as err:
+                            (args.out / f"error-without-model-rank{rank}.txt").write_text(str(err))
+                    fabric.backward(loss, model=model)
+                else:
+                    fabric.backward(loss)
         if step == args.inject_step and rank == args.inject_rank:
             model.module[2].weight.grad.view(-1)[0] = math.inf
         optimizer.step()

@@ -305,6 +305,64 @@ def test_ddp_an_inf_on_one_rank_skips_the_step_on_both(tmp_path):
     ] * 6  # half gradients, all-reduced once per step (no_backward_sync)
 
 
+@pytest.mark.skipif(not _compat.GRAD_DTYPE, reason="accumulate_fp32 needs torch >= 2.13 (Tensor.grad_dtype)")
+def test_ddp_accumulate_fp32_reduces_half_gradients_once_per_step(tmp_path):
+    """Under ``no_backward_sync`` the micro-batches sum in fp32; the synchronising backward (the plugin sees it through
+    ``fabric.backward(loss, model=model)``) hands DDP's reducer the half format, once per step."""
+    out = tmp_path / "ddp"
+    out.mkdir()
+    ranks = [out / "rank0.json", out / "rank1.json"]
+    cmd = [sys.executable, str(WORKER), str(out), "--accumulate", "3", "--accumulate-fp32"]
+    code = run_until_written(cmd, ranks, out / "log.txt")
+    if not all(r.exists() for r in ranks):
+        pytest.fail(f"workers did not finish (exit {code}):\n{(out / 'log.txt').read_text()[-3000:]}")
+    rank0, rank1 = (json.loads(r.read_text()) for r in ranks)
+    assert len(rank0) == len(rank1) == 6
+    for key in ("masters_sha1", "weights_sha1", "state_sha1"):
+        assert [r[key] for r in rank0] == [r[key] for r in rank1], key
+    assert len({r["masters_sha1"] for r in rank0}) == 6  # it trained
+    assert rank0[0]["param_dtypes"] == ["torch.float16"]
+    params = 16 * 32 + 32 + 32 * 4 + 4
+    assert [r["bytes"] for r in rank0] == [2 * params] * 6  # half gradients, all-reduced once per step
+    error = (out / "error-without-model-rank0.txt").read_text()
+    assert "accumulate_fp32=True) under DDP needs the model in each backward" in error
+    assert "fabric.backward(loss, model=model)" in error
+
+
+@pytest.mark.skipif(not _compat.GRAD_DTYPE, reason="accumulate_fp32 needs torch >= 2.13 (Tensor.grad_dtype)")
+def test_accumulate_fp32_sums_micro_batches_in_fp32():
+    g = torch.Generator().manual_seed(0)
+    x = 1 + torch.randint(0, 1024, (64, 16), generator=g) / 1024  # exact in fp16: only the summation rounds
+
+    def grad(**kwargs: Any) -> Tensor:
+        plugin = MPTPrecision("fp16", scaler=2.0**10, **kwargs)
+        fabric = fabric_with(plugin)
+        torch.manual_seed(0)
+        model = nn.Linear(16, 1, bias=False)
+        model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        for row in x:
+            fabric.backward(model(row[None]).float().mean() * 2.0**-10 / 64)
+        fabric.clip_gradients(model, opt, max_norm=1e30)  # unscales into the masters: what the step would see
+        seen = plugin.master_of(model.module.weight).grad.double().clone()
+        plugin.restore()
+        return seen
+
+    exact = (x.double().sum(0) * 2.0**-10 / 64).unsqueeze(0)
+    error = lambda got: ((got - exact).norm() / exact.norm()).item()
+    half, fp32 = error(grad()), error(grad(accumulate_fp32=True))
+    assert fp32 == 0.0  # each micro-batch gradient is exact in fp16, and their sum exact in fp32
+    assert half > 1e-4  # the fp16 running sum rounds at every addition
+
+
+def test_sharded_and_accumulate_fp32_are_checked():
+    with pytest.raises(TypeError, match=r"sharded='yes'\): expected a bool"):
+        MPTPrecision("fp16", sharded="yes")
+    with pytest.raises(ValueError, match="FSDP2 keeps fp32 parameter shards"):
+        MPTPrecision("fp16", sharded=True, master_weights=False)
+    with pytest.raises(TypeError, match=r"accumulate_fp32=1\): expected a bool"):
+        MPTPrecision("fp16", accumulate_fp32=1)
+
+
 # ---------------------------------------------------------------------------------------------------- 3. clipping
 
 
@@ -752,8 +810,9 @@ model(torch.randn(2, 4))
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard"), reason="FSDP2 is public from torch 2.6")
-def test_model_parallel_strategy_fsdp2_is_refused_at_the_first_forward(tmp_path):
-    """A real ``ModelParallelStrategy`` (FSDP2, one CPU process): in a subprocess, its process group stays there."""
+def test_fsdp2_without_sharded_true_is_refused_at_the_first_forward_with_the_fix(tmp_path):
+    """A real ``ModelParallelStrategy`` (FSDP2, one CPU process) and a plugin not told that the model gets sharded:
+    set-up cast the model before ``fully_shard`` took it. In a subprocess: its process group stays there."""
     script = tmp_path / "model_parallel.py"
     script.write_text(MODEL_PARALLEL)
     env = {
@@ -763,8 +822,8 @@ def test_model_parallel_strategy_fsdp2_is_refused_at_the_first_forward(tmp_path)
     }
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode != 0
-    assert "ValueError: MPTPrecision: the module's parameters were replaced" in result.stderr, result.stderr[-3000:]
-    assert "the DDP family" in result.stderr
+    assert "ValueError: MPTPrecision: the module was sharded with FSDP2" in result.stderr, result.stderr[-3000:]
+    assert "MPTPrecision(..., sharded=True)" in result.stderr
 
 
 # ---------------------------------------------------------------------------------------------------- 6. the example
