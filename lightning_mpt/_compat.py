@@ -10,7 +10,8 @@ This module imports nothing beyond torch, so that log readers (``lightning-mpt r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -173,3 +174,49 @@ def dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+@contextmanager
+def fsdp_forward_hooks_suspended(module: torch.nn.Module) -> Iterator[int]:
+    """Run without the forward hooks that ``fully_shard`` (FSDP2) registered on ``module`` and its submodules; yields
+    how many it suspended. The fp32 reference re-runs a sharded model with whole fp32 weights swapped in
+    (``torch.func.functional_call``): with FSDP's hooks on, its pre-forward hook would all-gather the half compute copy
+    into the module attributes over those weights, and the hooks it registers for the backward would reduce-scatter
+    into the step's real gradients. Without them nothing of FSDP runs. Only FSDP's own hooks are taken out (a user's
+    hooks stay), and they are put back in their places in the hook dicts afterwards, also on an exception.
+
+    Why: FSDP2 has no public switch for its hooks. Its state (``fully_shard.state(module)``, the accessor of torch's
+    ``contract`` decorator) keeps the handles of the hooks it registered as ``_pre_forward_hook_handle`` and
+    ``_post_forward_hook_handle``: a ``RemovableHandle`` each, or one ``_MultiHandle`` (public attribute ``handles``)
+    for a ``fully_shard([a, b])`` group; a handle's public ``id`` and ``hooks_dict_ref`` name its entry.
+    Exists: both attributes in torch 2.4 through 2.13 (``FSDPState.init``; ``fully_shard`` and ``FSDPModule`` are
+    imported from their public place, torch >= 2.6, as in :mod:`lightning_mpt.fsdp`). A torch without them raises
+    ``AttributeError`` here, which turns the reference off with a warning rather than measuring FSDP's half copy.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    handles: list[Any] = []
+    states: set[int] = set()
+    for m in module.modules():
+        state = fully_shard.state(m) if isinstance(m, FSDPModule) else None  # type: ignore[attr-defined]
+        if state is None or id(state) in states:  # a group's modules share one state
+            continue
+        states.add(id(state))
+        for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
+            handle = getattr(state, name)
+            handles.extend(getattr(handle, "handles", (handle,)))
+    taken: dict[int, tuple[dict[int, Any], list[int], dict[int, Any]]] = {}  # per hook dict: its order, the hooks out
+    try:
+        for handle in handles:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                entry = taken.setdefault(id(hooks), (hooks, list(hooks), {}))
+                entry[2][handle.id] = hooks.pop(handle.id)
+        yield sum(len(out) for _, _, out in taken.values())
+    finally:
+        for hooks, order, out in taken.values():
+            hooks.update(out)
+            place = {k: i for i, k in enumerate(order)}
+            ordered = sorted(hooks.items(), key=lambda kv: place.get(kv[0], len(order)))  # new hooks stay last
+            hooks.clear()
+            hooks.update(ordered)

@@ -5,9 +5,10 @@ usage: python diagnostics_fsdp_worker.py OUT
 The same model, data, seed and ``MPTPrecision("fp16")`` with a dynamic scale that starts too high (skipped steps, then
 back-offs and growth) are trained under DDP and under FSDP2 (``ModelParallelStrategy(data_parallel_size=2,
 tensor_parallel_size=1)``: the batches are split as under DDP), with ``LossScaleMonitor``, ``UnderflowMonitor`` and
-``GradientHistogramMonitor`` at every step. Each run logs to ``OUT/<run>/`` (rank 0's TensorBoard files); each rank
-writes ``OUT/<run>/rank<r>.json`` (the scale history, digests of the whole stored half gradients and of the masters at
-every step, the warnings) and, at the end, ``OUT/done-rank<r>``. The test compares the event files.
+``GradientHistogramMonitor`` at every step, and the fp32 reference every ``REFERENCE`` steps. Each run logs to
+``OUT/<run>/`` (rank 0's TensorBoard files); each rank writes ``OUT/<run>/rank<r>.json`` (the scale history, digests
+of the whole stored half gradients and of the masters at every step, the reference counts, the warnings) and, at the
+end, ``OUT/done-rank<r>``. The test compares the event files.
 
 The model has uneven shards: ``Linear(16, 33)`` splits its 33 rows 17/16, and ``Linear(33, 1)``'s single row and bias
 leave rank 1 an empty local shard.
@@ -20,7 +21,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,6 +38,7 @@ from lightning_mpt import DynamicLossScaler, MPTPrecision
 from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
 
 STEPS = 12
+REFERENCE = 3  # the fp32 reference at steps 0 (skipped: overflow), 3, 6 and 9 (clean)
 
 
 class Uneven(Sharded):
@@ -51,8 +53,13 @@ class Uneven(Sharded):
     def blocks(self) -> list[nn.Module]:
         return [self.model[0]]
 
+    break_reference_at: Optional[int] = None  # the fp32 re-run raises at this step (set on one rank)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        rerun = not isinstance(self.model[0].weight, DTensor)  # the reference swapped in whole fp32 weights
+        if rerun and self.device_mesh is not None and self.trainer.global_step == self.break_reference_at:
+            raise RuntimeError("this model cannot run in fp32 on this rank")
         return nn.functional.mse_loss(self.model(x).float(), y)
 
 
@@ -67,12 +74,14 @@ def digest(tensors: list[torch.Tensor]) -> str:
 
 class Probe(L.Callback):
     """Per step: a digest of the whole stored gradients (as fp16) of the Linear layers, and of the fp32 masters after
-    the step (all-gathered under FSDP2: a collective on every rank)."""
+    the step (all-gathered under FSDP2: a collective on every rank); at the fp32 reference's steps its counts (this
+    rank's, and those summed over the ranks) and maxima."""
 
     def __init__(self) -> None:
         self.grads: list[str] = []
         self.masters: list[str] = []
         self.reads: dict[str, int] = {}
+        self.references: list[list[Any]] = []
 
     def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         grads = [full(p.grad).half() for n, p in module.named_parameters() if "model.1." not in n]
@@ -81,6 +90,10 @@ class Probe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         plugin = trainer.precision_plugin
         self.masters.append(digest([full(m) for m in plugin.main_params(trainer.optimizers[0])]))
+        ref = next(c for c in trainer.callbacks if isinstance(c, UnderflowMonitor)).last_reference
+        if ref is not None and (not self.references or self.references[-1][0] != ref.step):  # measured in this step
+            counts = (ref.local_nonzero, ref.local_flushed, ref.nonzero, ref.flushed, ref.max_scaled)
+            self.references.append([ref.step, ref.scale, *(t.tolist() for t in counts)])
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         recorder = next(c for c in trainer.callbacks if isinstance(c, UnderflowMonitor)).recorder
@@ -103,7 +116,7 @@ def plugin() -> MPTPrecision:
     return MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**20, growth_interval=4))
 
 
-def monitors(reference: int = 0, strict: bool = True) -> list[L.Callback]:
+def monitors(reference: int = REFERENCE, strict: bool = True) -> list[L.Callback]:
     return [
         LossScaleMonitor(strict=strict),
         UnderflowMonitor(every_n_steps=1, reference_every_n_steps=reference, strict=strict),
@@ -115,10 +128,12 @@ class BreakOnOneRank(L.Callback):
     """An internal error in two statistics on one rank only, from ``step`` on: the stored-gradient fractions get a
     format that is not one, and the value histograms a parameter that is not a tensor."""
 
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, reference_step: int) -> None:
+        self.rank, self.step, self.reference_step = rank, step, reference_step
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank:
+            module.break_reference_at = self.reference_step  # the fp32 re-run of this step raises on this rank
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
         underflow = next(c for c in trainer.callbacks if isinstance(c, UnderflowMonitor))
@@ -129,7 +144,14 @@ class BreakOnOneRank(L.Callback):
 
 
 def run(
-    out: Path, name: str, strategy: Any, reference: int = 0, steps: int = STEPS, extra: tuple = (), strict: bool = True
+    out: Path,
+    name: str,
+    strategy: Any,
+    reference: int = REFERENCE,
+    steps: int = STEPS,
+    extra: tuple = (),
+    strict: bool = True,
+    data_steps: Optional[int] = None,
 ) -> None:
     L.seed_everything(0, verbose=False)
     model = Uneven()
@@ -145,7 +167,7 @@ def run(
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, data(steps))
+        trainer.fit(model, data(data_steps or steps))  # the data depend on their size
     mpt = trainer.precision_plugin
     write(
         out / name,
@@ -154,6 +176,7 @@ def run(
             "history": [[r.step, r.scale, r.skipped, r.nonfinite_params] for r in mpt.history],
             "grads": probe.grads,
             "masters": probe.masters,
+            "references": probe.references,
             "warnings": [str(w.message) for w in caught],
             **probe.reads,
         },
@@ -165,8 +188,9 @@ def main() -> None:
     torch.set_num_threads(1)
     run(out, "ddp", "ddp")
     run(out, "fsdp", fsdp())
-    run(out, "fsdp-reference", fsdp(), reference=2, steps=3)  # the default reference: off under FSDP2, one warning
-    run(out, "fsdp-fail", fsdp(), steps=6, extra=(BreakOnOneRank(rank=1, step=3),), strict=False)
+    run(out, "fsdp-no-reference", fsdp(), reference=0, steps=REFERENCE + 2, data_steps=STEPS)  # the fsdp run's start
+    breaks = BreakOnOneRank(rank=1, step=3, reference_step=4)
+    run(out, "fsdp-fail", fsdp(), reference=2, steps=6, extra=(breaks,), strict=False)
     rank = torch.distributed.get_rank()
     (out / f"done-rank{rank}").write_text("")
 

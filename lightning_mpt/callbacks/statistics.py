@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_mpt import tags
-from lightning_mpt._compat import metric_private_state, version
+from lightning_mpt._compat import fsdp_forward_hooks_suspended, metric_private_state, version
 from lightning_mpt.callbacks.sink import Sink
 from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES
 from lightning_mpt.numerics import (
@@ -245,17 +245,6 @@ Tensors = Union[Sequence[Optional[Tensor]], Callable[[], Sequence[Optional[Tenso
 
 def _resolve(tensors: Tensors) -> Sequence[Optional[Tensor]]:
     return tensors() if callable(tensors) else tensors
-
-
-SHARDED_REFERENCE = (
-    f"UnderflowMonitor: the fp32 reference ({tags.GRAD_UNDERFLOW}, {tags.SCALE_HEADROOM}) is off under FSDP2. It "
-    "re-runs the batch with fp32 weights in place of the parameters, and under FSDP2 the parameters are shards that "
-    "fully_shard's hooks all-gather in the half format and whose gradients they reduce-scatter into the real ones: the "
-    "re-run would compute in half precision and add to the step's gradients, and an fp32 copy of the whole model on "
-    "every process would undo the sharding. The stored-gradient fractions, the exponent and value histograms and the "
-    "update underflow are measured on the shards and summed across processes. To see the flush fraction, train the "
-    "model for a few steps under DDP or on one device with the reference on."
-)
 
 
 @dataclass
@@ -1056,19 +1045,29 @@ class FlushReference(Statistic):
             return None
         if local is None:  # every rank had a result, this one included (the decision above)
             return None
+        stats: Optional[ReferenceStats] = None
         with self.guarded():
             stats = self.reduce(*local, scale, step)
-            if recorder.active:
-                self.queue(recorder, stats)
-            return stats
-        return None
+        if recorder.active:  # also where reduce failed: under sharding every process queues (a placeholder)
+            self.queue(recorder, stats, step)
+        return stats
 
-    def queue(self, recorder: Recorder, stats: ReferenceStats) -> None:
-        if not self.enabled:
-            return
-        with self.guarded():
-            values = torch.cat([stats.nonzero.double(), stats.flushed.double(), stats.max_scaled.double()])
-            recorder.queue(self, values, lambda v: self._write(recorder.sink, v, stats.step))
+    def queue(self, recorder: Recorder, stats: Optional[ReferenceStats], step: Optional[int] = None) -> None:
+        """Hand ``stats`` to ``recorder``'s next flush, to be written at ``step`` (``stats.step`` by default).
+
+        Its values are already reduced across processes (:meth:`reduce`), and every process holds them alike: a
+        sharded recorder (FSDP2), which sums what it reduces, takes rank 0's (``"first"``), never their sum. There a
+        ``None`` (:meth:`reduce` failed here) or a failing queue is a flagged placeholder of the same size, and the
+        flush turns the reference off on every process (see :meth:`Recorder.submit`)."""
+        at = step if step is not None else stats.step if stats is not None else 0
+
+        def compute() -> Parts:
+            if stats is None:
+                raise RuntimeError("no reference counts")  # reduce failed (already reported): a placeholder
+            return [(torch.cat([stats.nonzero.double(), stats.flushed.double(), stats.max_scaled.double()]), "first")]
+
+        n = len(self.names)
+        recorder.submit(self, compute, lambda v: self._write(recorder.sink, v, at), lambda: [(3 * n, "first")])
 
     def _write(self, sink: Sink, v: list[float], step: int) -> None:
         n = len(self.names)
@@ -1104,6 +1103,13 @@ def reference_gradients(
     :func:`rng_state`, taken before the real forward) the re-run draws the same random numbers (dropout masks), and
     the random state continues afterwards where it was. ``divisor`` divides the loss (gradient accumulation).
 
+    **FSDP2** (``table.shards`` given): each parameter is an fp32 ``DTensor`` shard, the master. The whole fp32
+    weights are gathered first (:func:`full_parameters`, a collective per sharded parameter that every process enters
+    in the same order, before any of ``run``'s code), and ``run`` goes with the forward hooks of ``fully_shard``
+    suspended (:func:`~lightning_mpt._compat.fsdp_forward_hooks_suspended`): no all-gather of the half compute copy,
+    no reduce-scatter into the real gradients. Each process then differentiates its own batch with respect to the
+    whole weights, as under DDP, holding a whole fp32 copy of the weights and of their gradients meanwhile.
+
     Example:
         ```python
         import torch
@@ -1121,18 +1127,26 @@ def reference_gradients(
         plugin.restore()
         ```
     """
+    # FSDP2: the parameters are fp32 shards (the masters), gathered whole first, before any user code runs
+    whole = full_parameters(module, table)
+    masters = table.masters(plugin) if table.shards is None else [None] * len(table)
     # a master not yet next to its parameter (a plugin moves them at the first forward) is copied there
     weights = {
-        n: (m.detach().to(p.device) if m is not None else p.detach().float()).requires_grad_(p.requires_grad)
-        for n, p, m in zip(table.names, table.params, table.masters(plugin))
+        n: (
+            whole[n].float() if n in whole else m.detach().to(p.device) if m is not None else p.detach().float()
+        ).requires_grad_(p.requires_grad)
+        for n, p, m in zip(table.names, table.params, masters)
     }
-    # other half parameters ("16-true" norm layers) run in fp32 too
+    # the other sharded parameters (fp32 norm layers) whole, other half parameters ("16-true" norm layers) in fp32
+    weights.update({n: w.float() for n, w in whole.items() if n not in weights})
     weights.update({
         n: p.detach().float() for n, p in module.named_parameters() if p.dtype in HALF_DTYPES and n not in weights
     })
     inputs = apply_to_collection(args, Tensor, lambda t: t.float() if t.is_floating_point() else t)
     device = next((w.device for w in weights.values()), torch.device("cpu"))
     with ExitStack() as stack:
+        if whole:  # nothing of FSDP2 runs: no all-gather of the half copy, no reduce-scatter into the gradients
+            stack.enter_context(fsdp_forward_hooks_suspended(module))
         stack.enter_context(restored_state(module))
         if rng is not None:
             stack.enter_context(replayed_rng(rng))
@@ -1152,6 +1166,18 @@ def reference_gradients(
     for i, g in zip(wanted, found):
         grads[i] = g
     return grads
+
+
+def full_parameters(module: nn.Module, table: ParamTable) -> dict[str, Tensor]:
+    """The whole fp32 tensors of the sharded (``DTensor``) parameters of ``module`` by name, detached: those of
+    ``table`` (the masters FSDP2 steps), then the others (norm layers sharded in fp32) in ``named_parameters()`` order;
+    empty without sharded parameters. Each is a collective (``DTensor.full_tensor()``, an all-gather): every process
+    must call it at the same time with the same module, as the fp32 reference does before it runs any user code."""
+    found = [(n, p) for n, p in zip(table.names, table.params) if is_dtensor(p)]
+    named = set(table.names)
+    found += [(n, p) for n, p in module.named_parameters() if is_dtensor(p) and n not in named]
+    with torch.no_grad():
+        return {n: p.full_tensor().detach() for n, p in found}  # type: ignore[attr-defined]  # a DTensor method
 
 
 class _Run(nn.Module):

@@ -11,7 +11,8 @@ turns off alone on an internal error:
 * every ``reference_every_n_steps``: the true flush (underflow) fraction and the scale headroom, from an fp32
   reference gradient of the same batch computed with the masters
   (:class:`~lightning_mpt.callbacks.statistics.FlushReference`). Each rank measures its own backward; the counts
-  are summed (and the maxima taken) across ranks by :class:`FlushStatistics`, a torchmetrics ``Metric``.
+  are summed (and the maxima taken) across ranks by :class:`FlushStatistics`, a torchmetrics ``Metric``. Under FSDP2
+  each rank re-runs its batch with the whole fp32 weights gathered from the shards, with FSDP's hooks suspended.
 
 This module holds what needs the Trainer: when to measure, and the fp32 re-run of ``training_step``.
 """
@@ -30,7 +31,6 @@ from torch.optim import Optimizer
 
 from lightning_mpt.callbacks._common import Monitor, accumulating, check_every, due
 from lightning_mpt.callbacks.statistics import (
-    SHARDED_REFERENCE,
     FlushReference,
     FlushStatistics,
     ParamTable,
@@ -73,6 +73,16 @@ class UnderflowMonitor(Monitor):
     callbacks' or the module's ``on_train_batch_start``) would give the re-run other dropout masks. If the re-run
     raises (a model that cannot run in fp32), the reference is turned off with a warning holding the traceback
     (on every rank together) and training goes on; with ``strict`` the error is raised.
+
+    Under FSDP2 (``ModelParallelStrategy``) the reference measures what it measures under DDP: each rank's own batch,
+    differentiated with respect to the whole fp32 weights, counted over the whole gradients, the counts summed and the
+    maxima taken across ranks. At a reference step every rank gathers the whole fp32 weights from FSDP's fp32 shards
+    (``DTensor.full_tensor()``, before the re-run's forward) and re-runs the batch with ``fully_shard``'s hooks
+    suspended, so that FSDP neither all-gathers its half copy nor reduce-scatters into the step's gradients. The
+    memory cost, at reference steps only and transient: a whole fp32 copy of the weights and of their gradients on
+    every rank, besides the fp32 activations, i.e. what sharding saves, for the time of the re-run. A model too large
+    for it fails there (out of memory): the reference is then turned off with a ``DiagnosticsWarning`` on every rank
+    and training goes on (``reference_every_n_steps=0`` avoids it).
 
     Measuring the update underflow copies the fp32 masters before the step, at those steps only: 4 bytes per
     parameter of transient memory (``update_underflow=False`` avoids it).
@@ -169,9 +179,6 @@ class UnderflowMonitor(Monitor):
                 " ignored under manual optimization.",
             )
             self._reference_every = 0
-        if self._reference_every and self.recorder.sharded:
-            self.warn_once("sharded", SHARDED_REFERENCE)
-            self._reference_every = 0
         if self._reference_every:
             self.reference_stat = FlushReference(table.names, fmt, per_parameter, pl_module.device, owner, strict)
 
@@ -224,7 +231,7 @@ class UnderflowMonitor(Monitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, replay: Optional[_Replay], step: int
     ) -> None:
         stat, table = self.reference_stat, self._table
-        if stat is None or table is None:  # set together at setup, where the reference is on
+        if stat is None or table is None or stat.retired:  # the same on every rank (retired: by all, together)
             return
         plugin = trainer.precision_plugin
         result = stat.measure(
@@ -237,7 +244,7 @@ class UnderflowMonitor(Monitor):
         )
         if result is not None:
             self.last_reference = result
-        if not stat.enabled:
+        if stat.retired:  # not on enabled alone, which may be off on one rank only (until the ranks agree)
             self._reference_every = 0
 
 
