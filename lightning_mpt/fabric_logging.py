@@ -254,9 +254,8 @@ class MixedPrecisionLogger:
         if self.histograms_every_n_steps:
             self.exponent_stat = ExponentHistograms([key(n) for n in table.names], fmt, owner, strict)
             self.exponent_stat.write_legend(self.sink)
-        if shards is None:  # under FSDP2 the reference is off (see UnderflowMonitor)
-            device = table.params[0].device
-            self.reference_stat = FlushReference(table.names, fmt, per_parameter, device, owner, strict)
+        device = shards.device if shards is not None else table.params[0].device
+        self.reference_stat = FlushReference(table.names, fmt, per_parameter, device, owner, strict)
 
     def _start(self) -> None:
         """At the first call: where the step count stands (a run resumed with ``fabric.load`` continues it)."""
@@ -347,15 +346,14 @@ class MixedPrecisionLogger:
 
         Call it before the step's forward: the random state is restored afterwards, so the real forward draws the
         same random numbers (dropout masks) as the reference did. It leaves weights, gradients, optimizer state,
-        buffers and torchmetrics states as they were. Costs about one fp32 forward and backward. Under DDP every
-        process must call it at the same steps; a failure on one turns it off on all. Off under FSDP2 (see
-        :class:`~lightning_mpt.callbacks.UnderflowMonitor`).
+        buffers and torchmetrics states as they were. Costs about one fp32 forward and backward. Under DDP and FSDP2
+        every process must call it at the same steps; a failure on one turns it off on all. Under FSDP2 each process
+        gathers the whole fp32 weights for it (a collective, and a transient fp32 copy of the model and of its
+        gradients per process; see :class:`~lightning_mpt.callbacks.UnderflowMonitor`), so the figures equal DDP's.
         """
         self._start()
         stat, table = self.reference_stat, self._table
         if stat is None or table is None or stat.retired:  # the same on every process: they measure together
-            if self.recorder.sharded:
-                self._warn("sharded", "MixedPrecisionLogger: the fp32 reference is off under FSDP2.")
             return None
         module, plugin = self.module, self.plugin
         strategy = self.fabric.strategy

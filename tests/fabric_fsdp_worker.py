@@ -192,11 +192,13 @@ def train(
     logger: Optional[MixedPrecisionLogger] = None,
 ) -> list[dict[str, Any]]:
     """Train ``steps``; per step: the loss, the batch's digest, the plugin's record, the masters' and the optimizer
-    state's digests (gathered), and the clipping norm."""
+    state's digests (gathered), and the clipping norm. With ``logger``: its fp32 reference every other step."""
     plugin = fabric.strategy.precision
     rows = []
     for step in steps:
         batch = model_cls.batch(fabric.global_rank, step)
+        if logger is not None and step % 2 == 0:
+            logger.reference(model_cls.loss, *batch)
         loss = model_cls.loss(model, *batch)
         fabric.backward(loss)
         if step == inject and fabric.global_rank == 1:

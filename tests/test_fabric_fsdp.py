@@ -110,6 +110,9 @@ def test_the_logger_writes_the_same_dashboard_as_under_ddp(out):
     names = set(ddp.Tags()["scalars"])
     assert names == set(fsdp.Tags()["scalars"])
     assert {tags.LOSS_SCALE, tags.OVERFLOW, tags.GRAD_ZERO, tags.UPDATE_UNDERFLOW} <= names
+    assert {tags.GRAD_UNDERFLOW, tags.SCALE_HEADROOM} <= names  # the fp32 reference, from the whole fp32 weights
+    assert [e.step for e in fsdp.Scalars(tags.SCALE_HEADROOM)] == [0, 2, 4, 6]
+    assert tags.per_parameter(tags.GRAD_UNDERFLOW, "model.0.weight") in names
     assert tags.per_parameter(tags.GRAD_ZERO, "model.0.weight") in names  # the original parameter names
     for tag in sorted(names):
         a, b = [(e.step, e.value) for e in ddp.Scalars(tag)], [(e.step, e.value) for e in fsdp.Scalars(tag)]
