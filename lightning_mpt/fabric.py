@@ -181,6 +181,9 @@ class MPTPrecision(EngineAttributes, Precision):
         self._module = module
         self._ready = False
         if self.sharded:  # the strategy shards it next: nothing to cast, no replica to make equal across processes
+            from lightning_mpt.fsdp import ShardedMasters
+
+            self._engine.masters = ShardedMasters(self._dtype, self.keep_fp32, report_half_kept, loop="fabric")
             self._params, self._synced = set(), True
             return module
         self._engine.convert(module)
@@ -314,11 +317,8 @@ class MPTPrecision(EngineAttributes, Precision):
         the parameters and move the masters next to them."""
         if self._ready or self._module is None:
             return
-        if self.sharded:
-            from lightning_mpt.fsdp import ShardedMasters
-
-            self._engine.masters = ShardedMasters(self._dtype, self.keep_fp32, report_half_kept, loop="fabric")
-            self._engine.convert(self._module)  # checks the sharding: a clear error for a module left unsharded
+        if self.sharded:  # sharded by now: check how (a clear error for a module left unsharded), learn the names
+            self._engine.convert(self._module)
             self._params = set(self._module.parameters())
         params = list(self._module.parameters())
         if any(p not in self._params for p in params):
