@@ -13,11 +13,12 @@ in fp32 as under DDP.
 Runs:
   bf16-fsdp, bf16-mixed, bf16-ddp   a small transformer, 12 steps: MPTPrecision("bf16", sharded=True); Fabric's own
                                     "bf16-mixed" with the same sharding and policy; DDP + MPTPrecision("bf16")
-  fp16-fsdp, fp16-ddp               a tiny MLP, fp16 with a scale that starts too high (skips, back-offs), clipping by
-                                    norm; an inf written into rank 1's gradient (its shard under FSDP2) at step 5
+  fp16-fsdp, fp16-hsdp, fp16-ddp    a tiny MLP, fp16 with a scale that starts too high (skips, back-offs), clipping by
+                                    norm; an inf written into rank 1's gradient (its shard under FSDP2) at step 5.
+                                    HSDP: replicated over both processes, sharded over one (a 2-D mesh)
   resume-*                          fp16 FSDP2: 10 steps straight; 5, fabric.save, a fresh Fabric, fabric.load, 5 more,
                                     from a sharded (distributed) and from a full checkpoint
-  logger-fsdp, logger-ddp           MixedPrecisionLogger at every step on the fp16 MLP
+  logger-fsdp, logger-hsdp, ...     MixedPrecisionLogger at every step on the fp16 MLP (its reference every other)
   unsharded                         sharded=True with a parallelize_fn that shards nothing: the plugin's error
 """
 
@@ -40,6 +41,7 @@ import torch
 from lightning.fabric.loggers import TensorBoardLogger
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -135,13 +137,18 @@ class MLP(nn.Module):
         return nn.functional.mse_loss(model(x).float(), y)
 
 
-def parallelize_with(policy: Any, shard_anything: bool = True) -> Callable[[nn.Module, Any], nn.Module]:
-    """A ``parallelize_fn``: each LayerNorm on its own in fp32, then the blocks and the root with ``policy``."""
+def parallelize_with(
+    policy: Any, shard_anything: bool = True, hsdp: bool = False
+) -> Callable[[nn.Module, Any], nn.Module]:
+    """A ``parallelize_fn``: each LayerNorm on its own in fp32, then the blocks and the root with ``policy``.
+    ``hsdp``: on a 2-D mesh of its own, replicated over both processes and sharded over one (HSDP)."""
 
     def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
         if not shard_anything:
             return model
         mesh = device_mesh["data_parallel"]
+        if hsdp:
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
                 fully_shard(m, mesh=mesh)
@@ -157,11 +164,13 @@ def parallelize_with(policy: Any, shard_anything: bool = True) -> Callable[[nn.M
 
 
 def make(strategy: str, precision: Any, model_cls: type, out: Optional[Path] = None, **strategy_kwargs: Any) -> Any:
-    """A Fabric with ``precision`` (a plugin or a name) under ``strategy`` ("fsdp" or "ddp"), the model set up."""
+    """A Fabric with ``precision`` (a plugin or a name) under ``strategy`` ("fsdp", "hsdp" or "ddp"), the model set
+    up."""
     plugin = precision if isinstance(precision, MPTPrecision) else None
-    if strategy == "fsdp":
+    if strategy in ("fsdp", "hsdp"):
         policy = plugin.mp_policy if plugin is not None else mixed_precision_policy(torch.bfloat16)
-        kwargs = {"parallelize_fn": parallelize_with(policy), **SHARD_OVER_BOTH, **strategy_kwargs}
+        parallelize = parallelize_with(policy, hsdp=strategy == "hsdp")
+        kwargs = {"parallelize_fn": parallelize, **SHARD_OVER_BOTH, **strategy_kwargs}
         strat: Any = ModelParallelStrategy(**kwargs)
     else:
         strat = DDPStrategy()
@@ -250,8 +259,9 @@ def compare_bf16(out: Path) -> None:
 
 
 def compare_fp16(out: Path) -> None:
-    for name, strategy, sharded in [("fp16-fsdp", "fsdp", True), ("fp16-ddp", "ddp", False)]:
-        plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**20, growth_interval=3), sharded=sharded)
+    for name, strategy in [("fp16-fsdp", "fsdp"), ("fp16-hsdp", "hsdp"), ("fp16-ddp", "ddp")]:
+        scaler = DynamicLossScaler(init_scale=2.0**20, growth_interval=3)
+        plugin = MPTPrecision("fp16", scaler=scaler, sharded=strategy != "ddp")
         fabric, model, optimizer = make(strategy, plugin, MLP)
         rows = train(fabric, model, optimizer, MLP, range(STEPS), clip=0.05, inject=INJECT_STEP)
         write(out, name, fabric, {"rows": rows, "skipped_steps": plugin.skipped_steps, "loss_scale": plugin.loss_scale})
@@ -289,8 +299,9 @@ def resume(out: Path) -> None:
 
 
 def logged(out: Path) -> None:
-    for name, strategy, sharded in [("logger-fsdp", "fsdp", True), ("logger-ddp", "ddp", False)]:
-        plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**24, growth_interval=3), sharded=sharded)
+    for name, strategy in [("logger-fsdp", "fsdp"), ("logger-hsdp", "hsdp"), ("logger-ddp", "ddp")]:
+        scaler = DynamicLossScaler(init_scale=2.0**24, growth_interval=3)
+        plugin = MPTPrecision("fp16", scaler=scaler, sharded=strategy != "ddp")
         fabric, model, optimizer = make(strategy, plugin, MLP, out=out / name)
         logger = MixedPrecisionLogger(fabric, model, every_n_steps=1, histograms_every_n_steps=2)
         rows = train(fabric, model, optimizer, MLP, range(8), logger=logger)

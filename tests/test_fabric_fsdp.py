@@ -63,8 +63,10 @@ def test_bf16_equals_fabrics_bf16_mixed_with_the_same_sharding_and_ddp(out):
     assert not any(r["skipped"] for r in fsdp)
 
 
-def test_fp16_scales_skips_culprits_clipping_and_masters_equal_ddp(out):
-    fsdp, ddp = rows(out, "fp16-fsdp"), rows(out, "fp16-ddp")
+@pytest.mark.parametrize("sharding", ["fsdp", "hsdp"])
+def test_fp16_scales_skips_clipping_and_masters_equal_ddp(out, sharding):
+    """``hsdp``: a 2-D mesh, replicated over both processes and sharded over one (HSDP's all-reduce path)."""
+    fsdp, ddp = rows(out, f"fp16-{sharding}"), rows(out, "fp16-ddp")
     for key in ("scale", "skipped", "loss", "masters", "state"):
         assert [r[key] for r in fsdp] == [r[key] for r in ddp], key
     natural = [r["step"] for r in fsdp if r["skipped"] and r["step"] != INJECT_STEP]
@@ -76,11 +78,12 @@ def test_fp16_scales_skips_culprits_clipping_and_masters_equal_ddp(out):
         else:
             assert a["norm"] == pytest.approx(b["norm"], rel=1e-6)
             assert a["norm"] > 0.05  # so the clipping (max_norm 0.05) acted, and the masters still agree
-    assert seen(out, "fp16-fsdp")["skipped_steps"] == sum(r["skipped"] for r in fsdp)
+    assert seen(out, f"fp16-{sharding}")["skipped_steps"] == sum(r["skipped"] for r in fsdp)
 
 
-def test_an_inf_on_one_rank_skips_the_step_on_both_and_names_the_parameter_on_both(out):
-    ranks = [rows(out, "fp16-fsdp", r) for r in (0, 1)]
+@pytest.mark.parametrize("sharding", ["fsdp", "hsdp"])
+def test_an_inf_on_one_rank_skips_the_step_on_both_and_names_the_parameter_on_both(out, sharding):
+    ranks = [rows(out, f"fp16-{sharding}", r) for r in (0, 1)]
     step = [r[INJECT_STEP] for r in ranks]
     assert step[0]["skipped"]
     assert step[1]["skipped"]
@@ -90,7 +93,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_both_and_names_the_parameter_on_bo
     assert ranks[0][INJECT_STEP + 1]["scale"] == step[0]["scale"] / 2  # backed off
     for key in ("scale", "skipped", "masters", "state"):
         assert [r[key] for r in ranks[0]] == [r[key] for r in ranks[1]], key
-    assert seen(out, "fp16-fsdp", 0)["loss_scale"] == seen(out, "fp16-fsdp", 1)["loss_scale"]
+    assert seen(out, f"fp16-{sharding}", 0)["loss_scale"] == seen(out, f"fp16-{sharding}", 1)["loss_scale"]
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
@@ -105,8 +108,9 @@ def test_save_then_load_into_a_fresh_fabric_resumes_bitwise(out, kind):
         assert [r[key] for r in resumed["rows"]] == [r[key] for r in straight], key
 
 
-def test_the_logger_writes_the_same_dashboard_as_under_ddp(out):
-    fsdp, ddp = read_events(out / "logger-fsdp" / "version_0"), read_events(out / "logger-ddp" / "version_0")
+@pytest.mark.parametrize("sharding", ["fsdp", "hsdp"])
+def test_the_logger_writes_the_same_dashboard_as_under_ddp(out, sharding):
+    fsdp, ddp = read_events(out / f"logger-{sharding}" / "version_0"), read_events(out / "logger-ddp" / "version_0")
     names = set(ddp.Tags()["scalars"])
     assert names == set(fsdp.Tags()["scalars"])
     assert {tags.LOSS_SCALE, tags.OVERFLOW, tags.GRAD_ZERO, tags.UPDATE_UNDERFLOW} <= names
@@ -129,7 +133,7 @@ def test_the_logger_writes_the_same_dashboard_as_under_ddp(out):
     b = [(s, {**r, "params": sorted(r["params"])}) for s, r in records(fsdp, tags.SKIP_RECORD)]
     assert a == b
     assert a  # the scale starts too high: there are skips to record
-    assert seen(out, "logger-fsdp", 0)["syncs"] == seen(out, "logger-fsdp", 1)["syncs"] == 8  # one per logging step
+    assert seen(out, f"logger-{sharding}", 0)["syncs"] == seen(out, f"logger-{sharding}", 1)["syncs"] == 8  # 1 a step
 
 
 def test_a_parallelize_fn_that_shards_nothing_gets_the_fabric_instructions(out):
