@@ -85,7 +85,8 @@ _LOOPS = {
         "        for block in model.blocks:\n"
         "            fully_shard(block, mesh=mesh, mp_policy=policy)\n"
         "        fully_shard(model, mesh=mesh, mp_policy=policy)\n"
-        "        return model",
+        "        return model\n"
+        "On one device and under DDP leave sharded=True out: the plugin keeps an fp32 copy there.",
     ),
 }
 
