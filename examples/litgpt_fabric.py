@@ -5,6 +5,7 @@ byte-level language modelling on the source files of Python's standard library, 
     python examples/litgpt_fabric.py --fast                 # seconds on CPU (what the test suite runs)
     python examples/litgpt_fabric.py                        # a few minutes on CPU
     python examples/litgpt_fabric.py --accelerator gpu --devices 2 --n-layer 6 --n-embd 384 --steps 2000
+    python examples/litgpt_fabric.py --fast --devices 2 --strategy fsdp   # FSDP2 on 2 CPU processes
     tensorboard --logdir runs                               # Custom Scalars tab: the "Mixed precision" dashboard
     lightning-mpt report runs/litgpt_fabric                 # the two runs side by side
 
@@ -13,6 +14,10 @@ The model's half weights, the fp32 masters in the optimizer and the dynamic loss
 class, so it is added to ``keep_fp32`` (torch's norm layers are there by default). ``MixedPrecisionLogger`` writes the
 diagnostics of the Trainer callbacks (loss scale, skipped steps, gradient fractions and histograms, update underflow,
 the flush fraction from an fp32 reference) for both runs.
+
+``--strategy fsdp`` shards the model with FSDP2 (Fabric's ``ModelParallelStrategy``): each transformer block and the
+root with the plugin's ``mp_policy`` (``MPTPrecision(..., sharded=True)``: FSDP2's fp32 shards are the masters), each
+RMSNorm first on its own in fp32; the "bf16-mixed" run gets the same sharding with torch's bf16 policy.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from lightning.fabric.loggers import TensorBoardLogger
+from lightning.fabric.strategies import ModelParallelStrategy
 from litgpt.config import Config
 from litgpt.model import GPT, RMSNorm
 from torch.nn import functional as F
@@ -86,6 +92,33 @@ def config(args: Any) -> Config:
     )
 
 
+def sharding(policy: Any) -> Any:
+    """FSDP2's ``parallelize_fn``: every RMSNorm on its own in fp32 (so it computes in fp32, as ``keep_fp32`` does
+    without sharding), then each transformer block and the root with ``policy``."""
+    from torch.distributed.fsdp import fully_shard
+
+    def parallelize(model: GPT, device_mesh: Any) -> GPT:
+        mesh = device_mesh["data_parallel"]
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                fully_shard(module, mesh=mesh)
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+
+    return parallelize
+
+
+def strategy_for(args: Any, plugin: Optional[MPTPrecision]) -> Any:
+    if args.strategy != "fsdp":
+        return "ddp" if args.devices > 1 else "auto"
+    from lightning_mpt.fsdp import mixed_precision_policy
+
+    policy = plugin.mp_policy if plugin is not None else mixed_precision_policy(torch.bfloat16)
+    return ModelParallelStrategy(sharding(policy), data_parallel_size=args.devices, tensor_parallel_size=1)
+
+
 def train(
     args: Any,
     precision: str,
@@ -99,7 +132,7 @@ def train(
     fabric = L.Fabric(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        strategy=strategy_for(args, plugin),
         plugins=[plugin] if plugin is not None else None,
         precision=None if plugin is not None else precision,
         loggers=logger,
@@ -107,10 +140,15 @@ def train(
     fabric.launch()  # a no-op for the second run: the processes exist
     fabric.seed_everything(args.seed)  # the same initial weights and batches for both runs
     model = GPT(config(args))
+    if args.strategy == "fsdp":  # FSDP2: shard first, then make the optimizer over the (fp32) shards
+        model = fabric.setup_module(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     warmup = max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-    model, optimizer = fabric.setup(model, optimizer)
+    if args.strategy == "fsdp":
+        optimizer = fabric.setup_optimizers(optimizer)
+    else:
+        model, optimizer = fabric.setup(model, optimizer)
     generator = torch.Generator().manual_seed(args.seed + fabric.global_rank)
     every = max(1, args.steps // 10)  # about 10 points of fractions and histograms, 2 fp32 references per run
     diagnostics = MixedPrecisionLogger(fabric, model, every_n_steps=every, histograms_every_n_steps=every)
@@ -161,7 +199,8 @@ def train(
 
 def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
     parser = example_parser(__doc__, steps=300)
-    parser.add_argument("--devices", type=int, default=1, help="processes (DDP when > 1)")
+    parser.add_argument("--devices", type=int, default=1, help="processes (DDP when > 1, unless --strategy fsdp)")
+    parser.add_argument("--strategy", choices=["auto", "fsdp"], default="auto", help="fsdp: FSDP2 over --devices")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
@@ -192,7 +231,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
     mpt_name = f"mpt-{args.precision}"
     keep_fp32 = (*DEFAULT_KEEP_FP32, RMSNorm)
     runs = {
-        mpt_name: train(args, mpt_name, data, val, version, MPTPrecision(args.precision, keep_fp32=keep_fp32)),
+        mpt_name: train(
+            args,
+            mpt_name,
+            data,
+            val,
+            version,
+            MPTPrecision(args.precision, keep_fp32=keep_fp32, sharded=args.strategy == "fsdp"),
+        ),
         "bf16-mixed": train(args, "bf16-mixed", data, val, version),
     }
     for name, summary in runs.items():

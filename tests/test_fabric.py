@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -850,3 +851,31 @@ def test_litgpt_example_runs_in_fast_mode(tmp_path):
     assert {"mpt/loss_scale", "mpt/skipped_steps", "mpt/overflow", "train_loss"} <= tags
     assert len(acc.Scalars("mpt/loss_scale")) == mpt["steps"]
     assert sum(e.value for e in acc.Scalars("mpt/overflow")) == mpt["skipped_steps"]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard"), reason="FSDP2 is public from torch 2.6")
+def test_litgpt_example_under_fsdp2_on_two_processes(tmp_path):
+    """``--strategy fsdp --devices 2``: Fabric launches the second process by running the script again, so it runs
+    as a script; the test reads what rank 0 printed and logged (gloo may abort at exit)."""
+    if not os.environ.get("MPT_REQUIRE_EXAMPLES"):
+        pytest.importorskip("litgpt", reason="litgpt is in the examples extra: pip install -e '.[examples]'")
+    script = ROOT / "examples" / "litgpt_fabric.py"
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(script), "--fast", "--devices", "2", "--strategy", "fsdp", "--logdir", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    summaries = dict(re.findall(r"^(mpt-fp16|bf16-mixed): (steps=.*)$", result.stdout, re.M))
+    assert set(summaries) == {"mpt-fp16", "bf16-mixed"}, result.stdout[-2000:] + result.stderr[-3000:]
+    values = {name: dict(kv.split("=", 1) for kv in line.split(", ")) for name, line in summaries.items()}
+    mpt, ref = values["mpt-fp16"], values["bf16-mixed"]
+    assert mpt["steps"] == ref["steps"] == "40"
+    assert float(mpt["last_loss"]) < 0.8 * float(mpt["first_loss"])
+    assert abs(float(mpt["last_loss"]) - float(ref["last_loss"])) < 0.15 * float(ref["last_loss"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(mpt["logdir"], size_guidance={"scalars": 0})
+    acc.Reload()
+    names = set(acc.Tags()["scalars"])
+    assert {"mpt/loss_scale", "mpt/grad_zero_fraction", "mpt/scale_headroom", "train_loss"} <= names
+    assert len(acc.Scalars("mpt/loss_scale")) == 40
