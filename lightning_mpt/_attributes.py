@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
 from lightning_mpt.engine import MixedPrecisionEngine
 from lightning_mpt.policy import StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
@@ -38,9 +40,39 @@ class EngineAttributes:
     _engine: MixedPrecisionEngine
     _dtype: torch.dtype
     _reported_edits: set[str]
+    precision: Any
+    device: str
     master_weights: bool
+    keep_fp32: tuple[type[Module], ...]
+    max_consecutive_skips: int
+    accumulate_fp32: bool
     #: how user code reaches the plugin, for messages
     _access: str = "the precision plugin"
+
+    def _set_up(
+        self,
+        precision: Any,
+        scaler: Any,
+        master_weights: Any,
+        keep_fp32: Any,
+        max_consecutive_skips: Any,
+        accumulate_fp32: Any,
+    ) -> None:
+        """The plugins' ``__init__``: check the arguments (a clear error for each), keep them, build the engine."""
+        dtype, checked_scaler, kept = check_arguments(
+            precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
+        )
+        self.precision = LIGHTNING_NAMES[precision]
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set from the module
+        self.master_weights = master_weights
+        self.keep_fp32 = kept
+        self.max_consecutive_skips = max_consecutive_skips
+        self.accumulate_fp32 = accumulate_fp32
+        self._dtype = dtype
+        self._reported_edits = set()
+        self._engine = MixedPrecisionEngine(
+            dtype, checked_scaler, master_weights, kept, max_consecutive_skips, accumulate_fp32, self._report_edits
+        )
 
     @property
     def scaler(self) -> Optional[DynamicLossScaler]:

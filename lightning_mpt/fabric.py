@@ -64,10 +64,8 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
 from lightning_mpt._attributes import EngineAttributes, _params_of, report_half_kept
 from lightning_mpt._lazy import lazy_exports
-from lightning_mpt.engine import MixedPrecisionEngine
 from lightning_mpt.master import DEFAULT_KEEP_FP32
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
@@ -141,27 +139,14 @@ class MPTPrecision(EngineAttributes, Precision):
         accumulate_fp32: bool = False,
         sharded: bool = False,
     ) -> None:
-        dtype, scaler, keep_fp32 = check_arguments(
-            precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
-        )
+        self._set_up(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
         _check_sharded(sharded, master_weights)
-        self.precision = LIGHTNING_NAMES[precision]  # type: ignore[assignment]
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set from the module
-        self.master_weights = master_weights
-        self.keep_fp32 = keep_fp32
-        self.max_consecutive_skips = max_consecutive_skips
-        self.accumulate_fp32 = accumulate_fp32
         self.sharded = sharded
-        self._dtype = dtype
-        self._engine = MixedPrecisionEngine(
-            dtype, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32, self._report_edits
-        )
         self._module: Optional[Module] = None  # the converted module
         self._params: set[Tensor] = set()  # its parameters at conversion, to notice a strategy that replaced them
         self._ready = False  # masters moved next to their parameters (Fabric moves the module after converting it)
         self._synced = True  # masters made equal across processes (at the first backward, where all ranks meet)
         self._adopted: list[Optimizer] = []
-        self._reported_edits: set[str] = set()
 
     # ------------------------------------------------------------------ model set-up and teardown
     def convert_module(self, module: Module) -> Module:

@@ -25,9 +25,8 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
 from lightning_mpt._attributes import EngineAttributes, report_half_kept
-from lightning_mpt.engine import Masters, MixedPrecisionEngine
+from lightning_mpt.engine import Masters
 from lightning_mpt.master import DEFAULT_KEEP_FP32
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
@@ -78,23 +77,10 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
     ) -> None:
-        dtype, scaler, keep_fp32 = check_arguments(
-            precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
-        )
-        self.precision = LIGHTNING_NAMES[precision]  # type: ignore[assignment]
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set again in connect()
-        self.master_weights = master_weights
-        self.keep_fp32 = keep_fp32
-        self.max_consecutive_skips = max_consecutive_skips
-        self.accumulate_fp32 = accumulate_fp32
-        self._dtype = dtype
-        self._engine = MixedPrecisionEngine(
-            dtype, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32, self._report_edits
-        )
+        self._set_up(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
         self._policy, self._masters = self._engine.policy, self._engine.masters  # the pieces it delegates to
         self._copy_masters = self._masters  # one device and DDP: an fp32 copy; FSDP2: its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
-        self._reported_edits: set[str] = set()
         self._swa: list[Any] = []  # StochasticWeightAveraging callbacks adapted to the masters
 
     _access = "trainer.precision_plugin"

@@ -37,6 +37,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning as L
+import models
 import torch
 from lightning.fabric.loggers import TensorBoardLogger
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
@@ -81,28 +82,8 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------- models
 
 
-class Net(nn.Module):
-    """Embedding + ``nn.Transformer`` (1 encoder, 1 decoder layer, LayerNorms) + head; predicts the source."""
-
-    def __init__(self, vocab: int = 16, d_model: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d_model)
-        self.transformer = nn.Transformer(
-            d_model=d_model,
-            nhead=2,
-            num_encoder_layers=1,
-            num_decoder_layers=1,
-            dim_feedforward=64,
-            dropout=0.0,
-            batch_first=True,
-        )
-        self.out = nn.Linear(d_model, vocab)
-
-    def blocks(self) -> list[nn.Module]:
-        return [*self.transformer.encoder.layers, *self.transformer.decoder.layers]
-
-    def forward(self, src: torch.Tensor) -> torch.Tensor:
-        return self.out(self.transformer(self.embed(src), self.embed(torch.roll(src, 1, dims=1))))
+class Net(models.Net):
+    """The shared small transformer, with its batches and loss."""
 
     @staticmethod
     def batch(rank: int, step: int) -> tuple[torch.Tensor, ...]:

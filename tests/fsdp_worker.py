@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
-from models import quiet_trainer, regression_data, token_data
+from models import Net, quiet_trainer, regression_data, token_data
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -102,27 +102,6 @@ class Sharded(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-class Net(nn.Module):
-    """Embedding + ``nn.Transformer`` (1 encoder, 1 decoder layer) + head; predicts the source from its shift."""
-
-    def __init__(self, vocab: int = 16, d_model: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d_model)
-        self.transformer = nn.Transformer(
-            d_model=d_model,
-            nhead=2,
-            num_encoder_layers=1,
-            num_decoder_layers=1,
-            dim_feedforward=64,
-            dropout=0.0,
-            batch_first=True,
-        )
-        self.out = nn.Linear(d_model, vocab)
-
-    def forward(self, src: torch.Tensor) -> torch.Tensor:
-        return self.out(self.transformer(self.embed(src), self.embed(torch.roll(src, 1, dims=1))))
-
-
 class Seq2Seq(Sharded):
     """:class:`Net` on a sequence copy task."""
 
@@ -133,8 +112,7 @@ class Seq2Seq(Sharded):
         self.model = Net()
 
     def blocks(self) -> list[nn.Module]:
-        t = self.model.transformer
-        return [*t.encoder.layers, *t.decoder.layers]
+        return self.model.blocks()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         src, _ = batch

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -109,6 +110,19 @@ class SmallCNN(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+def small_transformer(d_model: int, dim_feedforward: int) -> nn.Transformer:
+    """One encoder and one decoder layer, 2 heads, no dropout (deterministic), batch first."""
+    return nn.Transformer(
+        d_model=d_model,
+        nhead=2,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        dim_feedforward=dim_feedforward,
+        dropout=0.0,
+        batch_first=True,
+    )
+
+
 class TinyTransformer(L.LightningModule):
     """Embedding + ``nn.Transformer`` (LayerNorm, softmax attention) on a sequence copy task."""
 
@@ -116,15 +130,7 @@ class TinyTransformer(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.embed = nn.Embedding(vocab, d_model)
-        self.transformer = nn.Transformer(
-            d_model=d_model,
-            nhead=2,
-            num_encoder_layers=1,
-            num_decoder_layers=1,
-            dim_feedforward=32,
-            dropout=0.0,
-            batch_first=True,
-        )
+        self.transformer = small_transformer(d_model, dim_feedforward=32)
         self.out = nn.Linear(d_model, vocab)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -139,6 +145,24 @@ class TinyTransformer(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class Net(nn.Module):
+    """Embedding + ``nn.Transformer`` (1 encoder, 1 decoder layer, LayerNorms) + head; predicts the source from its
+    shift. A plain module, for FSDP2 (the LightningModule of tests/fsdp_worker.py holds one; Fabric loops use it)."""
+
+    def __init__(self, vocab: int = 16, d_model: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.transformer = small_transformer(d_model, dim_feedforward=64)
+        self.out = nn.Linear(d_model, vocab)
+
+    def blocks(self) -> list[nn.Module]:
+        """The transformer layers: what FSDP2 shards one by one."""
+        return [*self.transformer.encoder.layers, *self.transformer.decoder.layers]
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        return self.out(self.transformer(self.embed(src), self.embed(torch.roll(src, 1, dims=1))))
 
 
 class InjectInf(L.Callback):
@@ -177,6 +201,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_workers(worker: Path, out: Path, *args: str, timeout: float = 300) -> Path:
+    """Run the 2-process script ``worker`` with ``out`` and ``args`` until both ranks wrote ``out/done-rank<r>``
+    (:func:`run_until_written`); fail the test with the log's tail otherwise. Returns ``out``."""
+    import pytest
+
+    out.mkdir(parents=True, exist_ok=True)
+    done = [out / "done-rank0", out / "done-rank1"]
+    code = run_until_written([sys.executable, str(worker), str(out), *args], done, out / "log.txt", timeout=timeout)
+    if not all(f.exists() for f in done):
+        pytest.fail(f"workers did not finish (exit {code}):\n{(out / 'log.txt').read_text()[-4000:]}")
+    return out
 
 
 def run_until_written(cmd: list[str], files: list[Path], log: Path, timeout: float = 240, grace: float = 20) -> int:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from models import run_until_written
+from models import run_workers
 from tb_events import layouts, read_events, records
 
 from lightning_mpt import tags
@@ -39,12 +38,7 @@ REFERENCE_STEPS = [0, 3, 6, 9]  # reference_every_n_steps=3
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("diag-fsdp")
-    done = [out / "done-rank0", out / "done-rank1"]
-    code = run_until_written([sys.executable, str(WORKER), str(out)], done, out / "log.txt", timeout=300)
-    if not all(f.exists() for f in done):
-        pytest.fail(f"workers did not finish (exit {code}):\n{(out / 'log.txt').read_text()[-4000:]}")
-    return out
+    return run_workers(WORKER, tmp_path_factory.mktemp("diag-fsdp"))
 
 
 def seen(out: Path, run: str, rank: int = 0) -> dict[str, Any]:
