@@ -248,14 +248,17 @@ class MPTPrecision(EngineAttributes, Precision):
         """Unscale ``optimizer``'s gradients into fp32 and decide its step (once per step; ``fabric.clip_gradients``
         calls it before clipping).
 
-        On a step decided skipped (a non-finite gradient on some process) the gradients are dropped here already:
-        clipping then finds none, returns a norm of 0 instead of raising on the non-finite one, and the step is
-        skipped. :attr:`last_step` tells afterwards, with the names of the parameters at fault.
+        On a step decided skipped (a non-finite gradient on some process) the fp32 gradients are zeroed here
+        already: clipping by norm then returns 0 instead of raising on the non-finite one, clipping by value has
+        nothing to do, and the step is skipped (which drops them). :attr:`last_step` tells afterwards, with the names
+        of the parameters at fault.
         """
         optimizer = self._checked(optimizer)
         pending = self._engine.decide(optimizer)
         if pending.skipped:
-            self._engine.masters.discard(pending.prepared)
+            with torch.no_grad():  # a skipped step is rare: no need for a fused kernel
+                for grad in pending.prepared.fp32_grads():
+                    grad.zero_()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step the masters with ``optimizer``, or skip the step when a gradient was non-finite on any process.

@@ -16,6 +16,7 @@ Runs:
   fp16-fsdp, fp16-hsdp, fp16-ddp    a tiny MLP, fp16 with a scale that starts too high (skips, back-offs), clipping by
                                     norm; an inf written into rank 1's gradient (its shard under FSDP2) at step 5.
                                     HSDP: replicated over both processes, sharded over one (a 2-D mesh)
+  accumulate-fsdp, accumulate-ddp   the fp16 MLP, 3 micro-batches per step (fabric.no_backward_sync), clipping by value
   resume-*                          fp16 FSDP2: 10 steps straight; 5, fabric.save, a fresh Fabric, fabric.load, 5 more,
                                     from a sharded (distributed) and from a full checkpoint
   logger-fsdp, logger-hsdp, ...     MixedPrecisionLogger at every step on the fp16 MLP (its reference every other)
@@ -180,12 +181,19 @@ def train(
     clip: Optional[float] = None,
     inject: Optional[int] = None,
     logger: Optional[MixedPrecisionLogger] = None,
+    accumulate: int = 1,
+    clip_val: Optional[float] = None,
 ) -> list[dict[str, Any]]:
     """Train ``steps``; per step: the loss, the batch's digest, the plugin's record, the masters' and the optimizer
-    state's digests (gathered), and the clipping norm. With ``logger``: its fp32 reference every other step."""
+    state's digests (gathered), and the clipping norm. With ``logger``: its fp32 reference every other step.
+    ``accumulate``: micro-batches per step, all but the last under ``fabric.no_backward_sync``; ``clip_val``: clip by
+    value."""
     plugin = fabric.strategy.precision
     rows = []
     for step in steps:
+        for micro in range(accumulate - 1):
+            with fabric.no_backward_sync(model):
+                fabric.backward(model_cls.loss(model, *model_cls.batch(fabric.global_rank, 100 + step * 10 + micro)))
         batch = model_cls.batch(fabric.global_rank, step)
         if logger is not None and step % 2 == 0:
             logger.reference(model_cls.loss, *batch)
@@ -198,6 +206,8 @@ def train(
         if logger is not None:
             logger.after_backward()
         norm = fabric.clip_gradients(model, optimizer, max_norm=clip) if clip is not None else None
+        if clip_val is not None:
+            fabric.clip_gradients(model, optimizer, clip_val=clip_val)
         if logger is not None:
             logger.step(optimizer)
         else:
@@ -246,6 +256,15 @@ def compare_fp16(out: Path) -> None:
         fabric, model, optimizer = make(strategy, plugin, MLP)
         rows = train(fabric, model, optimizer, MLP, range(STEPS), clip=0.05, inject=INJECT_STEP)
         write(out, name, fabric, {"rows": rows, "skipped_steps": plugin.skipped_steps, "loss_scale": plugin.loss_scale})
+
+
+def accumulated(out: Path) -> None:
+    for name, strategy in [("accumulate-fsdp", "fsdp"), ("accumulate-ddp", "ddp")]:
+        scaler = DynamicLossScaler(init_scale=2.0**16, growth_interval=2)
+        plugin = MPTPrecision("fp16", scaler=scaler, sharded=strategy != "ddp")
+        fabric, model, optimizer = make(strategy, plugin, MLP)
+        rows = train(fabric, model, optimizer, MLP, range(6), accumulate=3, clip_val=1e-3)
+        write(out, name, fabric, {"rows": rows})
 
 
 def resume(out: Path) -> None:
@@ -312,7 +331,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     try:
-        for scenario in (compare_bf16, compare_fp16, resume, logged, unsharded):
+        for scenario in (compare_bf16, compare_fp16, accumulated, resume, logged, unsharded):
             scenario(out)
     except BaseException:
         (out / f"error-rank{rank()}").write_text(traceback.format_exc())

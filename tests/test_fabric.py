@@ -448,14 +448,18 @@ def test_clip_gradients_twice_unscales_once():
         assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) <= 5e-3 * (1 + 1e-5)
 
 
-def test_clip_gradients_on_an_overflow_step_does_not_raise_and_the_step_is_skipped():
+@pytest.mark.parametrize("clip", [{"max_norm": 1.0}, {"clip_val": 1e-3}], ids=["norm", "value"])
+def test_clip_gradients_on_an_overflow_step_does_not_raise_and_the_step_is_skipped(clip):
     plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=1024.0))
     fabric, model, opt, _, _ = setup_run(plugin, sgd)
-    norms = train(fabric, model, opt, batches(3), clip={"max_norm": 1.0}, inject={1: math.inf})
+    before = [p.detach().clone() for p in model.parameters()]
+    norms = train(fabric, model, opt, batches(3), clip=clip, inject={1: math.inf})
     assert [r.skipped for r in plugin.history] == [False, True, False]
-    assert float(norms[1]) == 0.0
-    assert all(0 < float(n) < 10 for n in (norms[0], norms[2]))
-    assert plugin.history[1].nonfinite_params == ["0.weight"]  # taken before the gradients were dropped
+    if "max_norm" in clip:
+        assert float(norms[1]) == 0.0
+        assert all(0 < float(n) < 10 for n in (norms[0], norms[2]))
+    assert plugin.history[1].nonfinite_params == ["0.weight"]  # taken before the gradients were zeroed
+    assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 # ---------------------------------------------------------------------------------------------------- 4. checkpoints

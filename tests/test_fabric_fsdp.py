@@ -90,6 +90,15 @@ def test_an_inf_on_one_rank_skips_the_step_on_both_and_names_the_parameter_on_bo
     assert seen(out, f"fp16-{sharding}", 0)["loss_scale"] == seen(out, f"fp16-{sharding}", 1)["loss_scale"]
 
 
+def test_gradient_accumulation_and_clipping_by_value_equal_ddp(out):
+    fsdp, ddp = rows(out, "accumulate-fsdp"), rows(out, "accumulate-ddp")
+    for key in ("scale", "skipped", "loss", "masters", "state"):
+        assert [r[key] for r in fsdp] == [r[key] for r in ddp], key
+    assert [r["skipped"] for r in fsdp] == [False, False, True, False, False, True]  # grown (interval 2), overflowed
+    for prev, row in zip(fsdp, fsdp[1:]):
+        assert (row["masters"] == prev["masters"]) is row["skipped"]  # a clean step moves, a skipped one does not
+
+
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_save_then_load_into_a_fresh_fabric_resumes_bitwise(out, kind):
     straight, resumed = rows(out, "resume-straight"), seen(out, f"resume-{kind}")
