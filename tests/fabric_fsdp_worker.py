@@ -20,6 +20,7 @@ Runs:
   resume-*                          fp16 FSDP2: 10 steps straight; 5, fabric.save, a fresh Fabric, fabric.load, 5 more,
                                     from a sharded (distributed) and from a full checkpoint
   logger-fsdp, logger-hsdp, ...     MixedPrecisionLogger at every step on the fp16 MLP (its reference every other)
+  meta                              the MLP created on the meta device, materialized by the strategy
   unsharded                         sharded=True with a parallelize_fn that shards nothing: the plugin's error
 """
 
@@ -309,6 +310,22 @@ def logged(out: Path) -> None:
         write(out, name, fabric, {"rows": rows, "syncs": logger.recorder.syncs})
 
 
+def meta_init(out: Path) -> None:
+    """The model created on the meta device (``fabric.init_module(empty_init=True)``): the strategy materializes it
+    after sharding, in fp32, and the plugin trains it."""
+    plugin = MPTPrecision("bf16", sharded=True)
+    strategy = ModelParallelStrategy(parallelize_with(plugin.mp_policy), **SHARD_OVER_BOTH)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        module = MLP()
+    meta = all(p.is_meta for p in module.parameters())
+    model = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    rows = train(fabric, model, optimizer, MLP, range(4))
+    write(out, "meta", fabric, {"rows": rows, "meta": meta})
+
+
 def unsharded(out: Path) -> None:
     plugin = MPTPrecision("fp16", sharded=True)
     fabric = L.Fabric(
@@ -331,7 +348,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     try:
-        for scenario in (compare_bf16, compare_fp16, accumulated, resume, logged, unsharded):
+        for scenario in (compare_bf16, compare_fp16, accumulated, resume, logged, meta_init, unsharded):
             scenario(out)
     except BaseException:
         (out / f"error-rank{rank()}").write_text(traceback.format_exc())

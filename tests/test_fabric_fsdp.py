@@ -139,6 +139,15 @@ def test_the_logger_writes_the_same_dashboard_as_under_ddp(out, sharding):
     assert seen(out, f"logger-{sharding}", 0)["syncs"] == seen(out, f"logger-{sharding}", 1)["syncs"] == 8  # 1 a step
 
 
+def test_a_model_created_on_the_meta_device_is_materialized_in_fp32_and_trains(out):
+    meta = seen(out, "meta")
+    assert meta["meta"]  # fabric.init_module(empty_init=True) made it on the meta device
+    rows_ = meta["rows"]
+    assert rows_[0]["dtypes"] == ["torch.float32"]  # materialized after sharding as fp32 shards: the masters
+    assert all(math.isfinite(r["loss"]) and not r["skipped"] for r in rows_)
+    assert len({r["masters"] for r in rows_}) == 4  # every step moved the weights
+
+
 def test_a_parallelize_fn_that_shards_nothing_gets_the_fabric_instructions(out):
     error = seen(out, "unsharded")["error"]
     assert "no FSDP2 module: the parallelize_fn of ModelParallelStrategy did not shard anything" in error
