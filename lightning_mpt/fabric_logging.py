@@ -254,8 +254,7 @@ class MixedPrecisionLogger:
         if self.histograms_every_n_steps:
             self.exponent_stat = ExponentHistograms([key(n) for n in table.names], fmt, owner, strict)
             self.exponent_stat.write_legend(self.sink)
-        device = shards.device if shards is not None else table.params[0].device
-        self.reference_stat = FlushReference(table.names, fmt, per_parameter, device, owner, strict)
+        self.reference_stat = FlushReference(table.names, fmt, per_parameter, owner, strict)
 
     def _start(self) -> None:
         """At the first call: where the step count stands (a run resumed with ``fabric.load`` continues it)."""

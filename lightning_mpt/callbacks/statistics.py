@@ -589,17 +589,19 @@ def histogram_buckets(limits: list[float], counts: list[float]) -> tuple[list[fl
     return out_limits, out_counts
 
 
-# -------------------------------------------------------------------------------- the stored half gradients
-class StoredFractions(Statistic):
-    """Zero, subnormal and overflow fractions of the stored (scaled) half gradients, and the headroom of the largest
-    stored value: ``mpt/grad_zero_fraction``, ``mpt/grad_subnormal_fraction``, ``mpt/grad_overflow_fraction``
-    (global, and per parameter with ``per_parameter``), ``mpt/stored_headroom``.
+class PerParameter(Statistic):
+    """A statistic of named parameters in a half format, written in total and, with ``per_parameter``, for each
+    parameter under its name. Subclasses say what they measure in :attr:`what`.
 
     Args:
-        names: the parameters' names, one per gradient passed to :meth:`measure`.
-        fmt: the half format the gradients are stored in.
-        per_parameter: also write each parameter's fractions.
+        names: the parameters' names, one per tensor the statistic is given.
+        fmt: the half format.
+        per_parameter: also write each parameter's figures.
+        owner: who measures (for messages).
+        strict: raise rather than warn when the statistic fails (``None``: ``LIGHTNING_MPT_STRICT_DIAGNOSTICS``).
     """
+
+    what = "a per-parameter statistic"
 
     def __init__(
         self,
@@ -609,8 +611,21 @@ class StoredFractions(Statistic):
         owner: str = "diagnostics",
         strict: Optional[bool] = None,
     ) -> None:
-        super().__init__(owner, f"the stored-gradient fractions ({tags.GRAD_ZERO}, {tags.GRAD_SUBNORMAL}, ...)", strict)
+        super().__init__(owner, self.what, strict)
         self.names, self.fmt, self.per_parameter = list(names), fmt, per_parameter
+
+
+# -------------------------------------------------------------------------------- the stored half gradients
+class StoredFractions(PerParameter):
+    """Zero, subnormal and overflow fractions of the stored (scaled) half gradients, and the headroom of the largest
+    stored value: ``mpt/grad_zero_fraction``, ``mpt/grad_subnormal_fraction``, ``mpt/grad_overflow_fraction``
+    (global, and per parameter with ``per_parameter``), ``mpt/stored_headroom``.
+
+    Args (:class:`PerParameter`): ``names``, one per gradient passed to :meth:`measure`; ``fmt``, the half format
+    the gradients are stored in.
+    """
+
+    what = f"the stored-gradient fractions ({tags.GRAD_ZERO}, {tags.GRAD_SUBNORMAL}, ...)"
 
     def measure(self, recorder: Recorder, grads: Tensors, step: int) -> None:
         """Queue the counts of ``grads`` (the gradients as the backward left them; ``None`` for none). Under FSDP2,
@@ -822,28 +837,17 @@ class ValueHistograms(Statistic):
 
 
 # ------------------------------------------------------------------------------------------- the updates
-class UpdateUnderflow(Statistic):
+class UpdateUnderflow(PerParameter):
     """``mpt/update_underflow_fraction``: of the master weights an optimizer step changed, the share whose change a
     half-precision weight would not see (DESIGN.md §4). :meth:`snapshot` copies the masters before the step (4 bytes
     per parameter, transient), :meth:`measure` compares after it. A skipped step changes nothing: nothing is written.
 
-    Args:
-        names: the parameters' names, one per master passed to :meth:`snapshot`.
-        fmt: the half format.
+    Args (:class:`PerParameter`): ``names``, one per master passed to :meth:`snapshot`; ``fmt``, the half format.
     """
 
-    def __init__(
-        self,
-        names: Sequence[str],
-        fmt: FloatFormat,
-        per_parameter: bool = True,
-        owner: str = "diagnostics",
-        strict: Optional[bool] = None,
-    ) -> None:
-        super().__init__(owner, f"the update underflow ({tags.UPDATE_UNDERFLOW})", strict)
-        self.names, self.fmt, self.per_parameter = list(names), fmt, per_parameter
-        self._due: Optional[tuple[int, list[int]]] = None  # the step and the parameters with a master
-        self._snapshot: Optional[tuple[list[Tensor], list[Tensor]]] = None  # the masters and their copies
+    what = f"the update underflow ({tags.UPDATE_UNDERFLOW})"
+    _due: Optional[tuple[int, list[int]]] = None  # the step and the parameters with a master
+    _snapshot: Optional[tuple[list[Tensor], list[Tensor]]] = None  # the masters and their copies
 
     @property
     def pending(self) -> bool:
@@ -957,30 +961,19 @@ class ReferenceStats:
         return float(self.flushed.sum()) / nonzero if nonzero else math.nan
 
 
-class FlushReference(Statistic):
+class FlushReference(PerParameter):
     """The true flush (underflow) fraction and the scale headroom, from fp32 reference gradients of the batch:
     ``mpt/grad_underflow_fraction`` (global and per parameter) and ``mpt/scale_headroom``.
 
     :meth:`count` is local to the process; :meth:`reduce` sums the counts across processes (a collective under
     ``torch.distributed``: every rank must call it, or none); :meth:`queue` hands the result to the writer.
 
-    Args:
-        names: the parameters' names, one per reference gradient.
-        fmt: the half format the gradients are stored in.
+    Args (:class:`PerParameter`): ``names``, one per reference gradient; ``fmt``, the half format the gradients are
+    stored in.
     """
 
-    def __init__(
-        self,
-        names: Sequence[str],
-        fmt: FloatFormat,
-        per_parameter: bool = True,
-        device: Any = None,
-        owner: str = "diagnostics",
-        strict: Optional[bool] = None,
-    ) -> None:
-        super().__init__(owner, f"the fp32 reference ({tags.GRAD_UNDERFLOW}, {tags.SCALE_HEADROOM})", strict)
-        self.names, self.fmt, self.per_parameter = list(names), fmt, per_parameter
-        self.metric = FlushStatistics(len(self.names)).to(device)
+    what = f"the fp32 reference ({tags.GRAD_UNDERFLOW}, {tags.SCALE_HEADROOM})"
+    metric: Optional[FlushStatistics] = None  # the cross-process reduction, made on the counts' device at first use
 
     def count(self, grads: Sequence[Optional[Tensor]], scale: float) -> tuple[Tensor, Tensor]:
         """This process's ``(P, 2)`` ``(nonzero, flushed)`` counts of the fp32 ``grads`` at ``scale`` and the
@@ -995,6 +988,8 @@ class FlushReference(Statistic):
     def reduce(self, counts: Tensor, maxima: Tensor, scale: float, step: int) -> ReferenceStats:
         """Reduce ``counts`` and ``maxima`` across processes (sum, max) into a :class:`ReferenceStats`."""
         n = len(self.names)
+        if self.metric is None:
+            self.metric = FlushStatistics(n).to(counts.device)
         self.metric.update(counts, maxima)
         nonzero, flushed, max_scaled = (t.reshape(n).clone() for t in self.metric.compute())
         self.metric.reset()

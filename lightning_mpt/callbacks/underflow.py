@@ -180,7 +180,7 @@ class UnderflowMonitor(Monitor):
             )
             self._reference_every = 0
         if self._reference_every:
-            self.reference_stat = FlushReference(table.names, fmt, per_parameter, pl_module.device, owner, strict)
+            self.reference_stat = FlushReference(table.names, fmt, per_parameter, owner, strict)
 
     # ------------------------------------------------------------------------------------------------ hooks
     # What decides whether a statistic is measured is the same on every rank (the step, the cadence, the table, the
