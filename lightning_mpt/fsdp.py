@@ -131,7 +131,8 @@ def check_sharding(
     it otherwise. Returns the names of ``keep_fp32`` modules (norm layers) whose parameters FSDP all-gathers in the
     half format, with the block they belong to.
 
-    What is checked: some module was sharded; every trainable parameter is an fp32 shard (the masters); each
+    What is checked: some module was sharded; every trainable parameter is an fp32 shard (the masters); the mesh
+    spans more than one process when several run (else nothing reduces the gradients); each
     ``fully_shard`` group all-gathers in ``dtype``, or in fp32 if it holds ``keep_fp32`` modules only (a norm layer
     sharded on its own); gradients are reduced in ``dtype`` or fp32.
 
@@ -170,6 +171,15 @@ def check_sharding(
         raise ValueError(
             f"MPTPrecision under FSDP2: the parameters {_some(unsharded)} are not sharded by fully_shard, so nothing "
             f"would reduce their gradients across processes. Call fully_shard on the root module last. {where.how}"
+        )
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    spans = {p.device_mesh.size() for p in module.parameters() if isinstance(p, DTensor)}
+    if world > 1 and spans == {1}:
+        raise ValueError(
+            f"MPTPrecision under FSDP2: fully_shard's device mesh spans 1 of the {world} processes, so nothing would "
+            "reduce gradients across them and each process would train its own copy of the model. Shard over every "
+            f"process: ModelParallelStrategy(data_parallel_size={world}, tensor_parallel_size=1) (its defaults on one "
+            "node make the processes a tensor-parallel group) and fully_shard(..., mesh=device_mesh['data_parallel'])."
         )
     if not_fp32:
         raise ValueError(

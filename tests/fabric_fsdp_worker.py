@@ -22,6 +22,7 @@ Runs:
   logger-fsdp, logger-hsdp, ...     MixedPrecisionLogger at every step on the fp16 MLP (its reference every other)
   meta                              the MLP created on the meta device, materialized by the strategy
   unsharded                         sharded=True with a parallelize_fn that shards nothing: the plugin's error
+  one-process-mesh                  Fabric's default mesh on one node (1 x 2): fully_shard spans one process: the error
 """
 
 from __future__ import annotations
@@ -326,29 +327,29 @@ def meta_init(out: Path) -> None:
     write(out, "meta", fabric, {"rows": rows, "meta": meta})
 
 
-def unsharded(out: Path) -> None:
-    plugin = MPTPrecision("fp16", sharded=True)
-    fabric = L.Fabric(
-        accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(parallelize_with(None, False), **SHARD_OVER_BOTH),
-        plugins=[plugin],
-    )
-    fabric.launch()
-    model = fabric.setup_module(MLP())
-    try:
-        model(torch.randn(2, 16))
-        error = ""
-    except ValueError as e:
-        error = str(e)
-    write(out, "unsharded", fabric, {"error": error})
+def misconfigured(out: Path) -> None:
+    """``unsharded``: a parallelize_fn that shards nothing; ``one-process-mesh``: Fabric's default mesh on one node
+    (data parallel 1 x tensor parallel 2), over which fully_shard shards nothing across processes."""
+    for name, strategy in [
+        ("unsharded", ModelParallelStrategy(parallelize_with(None, False), **SHARD_OVER_BOTH)),
+        ("one-process-mesh", ModelParallelStrategy(parallelize_with(mixed_precision_policy(torch.float16)))),
+    ]:
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[MPTPrecision("fp16", sharded=True)])
+        fabric.launch()
+        model = fabric.setup_module(MLP())
+        try:
+            model(torch.randn(2, 16))
+            error = ""
+        except ValueError as e:
+            error = str(e)
+        write(out, name, fabric, {"error": error})
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     try:
-        for scenario in (compare_bf16, compare_fp16, accumulated, resume, logged, meta_init, unsharded):
+        for scenario in (compare_bf16, compare_fp16, accumulated, resume, logged, meta_init, misconfigured):
             scenario(out)
     except BaseException:
         (out / f"error-rank{rank()}").write_text(traceback.format_exc())

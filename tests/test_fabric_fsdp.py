@@ -154,3 +154,12 @@ def test_a_parallelize_fn_that_shards_nothing_gets_the_fabric_instructions(out):
     assert "mp_policy=policy" in error
     assert "def parallelize(model, device_mesh)" in error
     assert seen(out, "unsharded", 1)["error"] == error
+
+
+def test_a_mesh_that_spans_one_process_is_refused_with_the_fix(out):
+    """Fabric's ``ModelParallelStrategy()`` defaults on one node: data parallel 1 x tensor parallel 2. fully_shard over
+    the data-parallel mesh then reduces nothing across processes: each would silently train its own model."""
+    error = seen(out, "one-process-mesh")["error"]
+    assert "device mesh spans 1 of the 2 processes" in error
+    assert "data_parallel_size=2, tensor_parallel_size=1" in error
+    assert seen(out, "one-process-mesh", 1)["error"] == error
