@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
@@ -41,7 +41,6 @@ from torch.optim import Optimizer
 
 from lightning_mpt import _compat
 from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES, PreparedGrads
-from lightning_mpt.numerics import max_abs
 
 __all__ = [
     "CollectiveBytes",
@@ -259,26 +258,9 @@ class ShardedGrads(PreparedGrads):
     """The fp32 gradient shards of one optimizer, unscaled in place. FSDP's parameters are their own masters, so
     they are all in ``own_params``."""
 
-    order: list[Tensor] = field(default_factory=list)  # every parameter of the optimizer: the same list on every rank
-    positions: list[int] = field(default_factory=list)  # where ``own_params`` sit in ``order``
-
-    def nonfinite_mask(self) -> Optional[Tensor]:
-        """Per-parameter flags (aligned with :meth:`all_params`) of non-finite gradients on any rank, on the device.
-
-        A collective: every rank must call it, which holds where the engine calls it (a skipped step, decided the
-        same on every rank).
-        """
-        if not self.order:
-            return None
-        grads = [_local(p.grad) for p in self.own_params]  # type: ignore[arg-type]
-        device = grads[0].device if grads else _local(self.order[0]).device
-        flags = torch.zeros(len(self.order), device=device)
-        if grads:
-            norms = max_abs(grads).to(device)  # 0 for an empty local shard
-            flags[torch.tensor(self.positions, device=device)] = (~torch.isfinite(norms)).float()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return flags[torch.tensor(self.positions, device=device, dtype=torch.long)] > 0
+    def fp32_grads(self) -> list[Tensor]:
+        """This process's shards of the gradients, aligned with :meth:`all_params`."""
+        return [_local(p.grad) for p in self.own_params if p.grad is not None]
 
 
 class ShardedMasters:
@@ -385,10 +367,8 @@ class ShardedMasters:
         host sync). ``found_inf`` is a tensor on every rank, so the policy's all-reduce runs on every rank.
         ``check_edits`` is moot: a weight edited in place is edited in its master."""
         order = [p for group in optimizer.param_groups for p in group["params"]]
-        out = ShardedGrads(order=order)
-        out.positions = [i for i, p in enumerate(order) if p.grad is not None]
-        out.own_params = [order[i] for i in out.positions]
-        grads = [_local(p.grad) for p in out.own_params]  # type: ignore[arg-type]
+        out = ShardedGrads(optimizer=optimizer, own_params=[p for p in order if p.grad is not None])
+        grads = out.fp32_grads()
         if any(g.is_sparse for g in grads):
             raise RuntimeError("MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False).")
         if not order:

@@ -82,17 +82,36 @@ class PreparedGrads:
     edited: Optional[Tensor] = None
     entered: bool = False  # whether the optimizer holds the masters now
     master_versions: list[int] = field(default_factory=list)  # of the master grads as prepared, to notice clipping
+    optimizer: Optional[Optimizer] = None  # whose gradients these are: its parameter order is every process's
 
     def all_params(self) -> list[Tensor]:
         return self.params + self.own_params
 
     def fp32_grads(self) -> list[Tensor]:
+        """The unscaled gradients, aligned with :meth:`all_params` (this process's part of each)."""
         return self.master_grads + [p.grad for p in self.own_params if p.grad is not None]
 
     def nonfinite_mask(self) -> Optional[Tensor]:
-        """Per-parameter flags (aligned with :meth:`all_params`) of non-finite gradients, on device, no sync."""
+        """Per-parameter flags (aligned with :meth:`all_params`) of gradients that are non-finite on any process, on
+        the device, no host sync.
+
+        Across processes the flags are all-reduced (max) in the optimizer's parameter order, which every process
+        shares: a collective, so every process must call it, as the engine does on a skipped step (decided the same
+        everywhere). So every process names the same culprits, also for a gradient that is non-finite on one process
+        only (FSDP2's shards, or a gradient edited after DDP's all-reduce).
+        """
         grads = self.fp32_grads()
-        return ~torch.isfinite(max_abs(grads)) if grads else None
+        local = ~torch.isfinite(max_abs(grads)) if grads else None
+        if self.optimizer is None or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return local
+        order = {p: i for i, p in enumerate(_params_of(self.optimizer))}
+        device = local.device if local is not None else next(iter(order)).device
+        positions = torch.tensor([order[p] for p in self.all_params()], dtype=torch.long, device=device)
+        flags = torch.zeros(len(order), device=device)
+        if local is not None:
+            flags[positions] = local.float()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags[positions] > 0
 
 
 @dataclass
@@ -306,7 +325,7 @@ class MasterWeights:
         Gradients of fp32 parameters are unscaled in place. No host sync: ``found_inf`` and ``edited`` stay on the
         device. A parameter without a gradient gets none on its master either, so the optimizer leaves it alone.
         """
-        out = PreparedGrads()
+        out = PreparedGrads(optimizer=optimizer)
         plan = self._plan(optimizer)
         for p, master in plan.pairs:
             if p.grad is None:
