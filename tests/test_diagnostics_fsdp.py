@@ -22,13 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed.fsdp
 from models import run_workers
 from tb_events import layouts, read_events, records
 
 from lightning_mpt import tags
 from lightning_mpt.report import build_report
 
-pytestmark = [pytest.mark.ddp, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.ddp,
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard"), reason="FSDP2 is public from torch 2.6"),
+]
 
 WORKER = Path(__file__).with_name("diagnostics_fsdp_worker.py")
 STEPS = 12

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed.fsdp
 from models import run_workers
 from tb_events import read_events, records
 
@@ -23,7 +24,7 @@ from lightning_mpt import tags
 pytestmark = [
     pytest.mark.ddp,
     pytest.mark.slow,
-    pytest.mark.skipif(not hasattr(__import__("torch").distributed.fsdp, "fully_shard"), reason="FSDP2: torch >= 2.6"),
+    pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "fully_shard"), reason="FSDP2 is public from torch 2.6"),
 ]
 
 WORKER = Path(__file__).with_name("fabric_fsdp_worker.py")
