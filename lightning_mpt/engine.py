@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights, PreparedGrads
+from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights, PreparedGrads, distributed
 from lightning_mpt.policy import StepPolicy
 from lightning_mpt.scaler import DynamicLossScaler
 
@@ -58,14 +58,6 @@ class PendingStep:
     loss_finite: bool
     scale: float
     culprits: Optional[Tensor] = None  # on a skip: per-parameter non-finite flags, taken before any clipping
-
-
-def _distributed() -> bool:
-    return (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    )
 
 
 class Masters(Protocol):
@@ -164,7 +156,7 @@ class MixedPrecisionEngine:
         self.drop_pending(unprepare=True)
         self.masters.release_stepped(drop_module_grads=False)
         if self.accumulate_fp32:
-            self.masters.accumulate_in_fp32(sync=sync and _distributed())
+            self.masters.accumulate_in_fp32(sync=sync and distributed())
         return self.policy.scale_loss(loss)
 
     # ------------------------------------------------------------------ the step

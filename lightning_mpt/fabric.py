@@ -66,7 +66,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_mpt import _compat
 from lightning_mpt._attributes import EngineAttributes, _params_of, report_half_kept
 from lightning_mpt._lazy import lazy_exports
-from lightning_mpt.master import DEFAULT_KEEP_FP32
+from lightning_mpt.master import DEFAULT_KEEP_FP32, distributed
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
 
@@ -173,7 +173,7 @@ class MPTPrecision(EngineAttributes, Precision):
             return module
         self._engine.convert(module)
         self._params = set(module.parameters())
-        self._synced = not _distributed()
+        self._synced = not distributed()
         return module
 
     def adopt(self, *optimizers: Optimizer) -> None:
@@ -319,7 +319,7 @@ class MPTPrecision(EngineAttributes, Precision):
     def _syncs(self, model: Optional[Module]) -> bool:
         """Whether this backward reduces gradients across processes (``False`` inside ``fabric.no_backward_sync``):
         with ``accumulate_fp32`` the fp32 sum goes back to the half format for DDP's reducer there."""
-        if not self.accumulate_fp32 or self.sharded or not _distributed():
+        if not self.accumulate_fp32 or self.sharded or not distributed():
             return True
         sync = getattr(model, "require_backward_grad_sync", None)
         if sync is None:
@@ -385,10 +385,6 @@ class MPTPrecision(EngineAttributes, Precision):
                 "dtype, so the run does not resume exactly. Call `fabric.strategy.precision.adopt(optimizer)` after "
                 "`fabric.setup` and before `fabric.load`."
             )
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _check_sharded(sharded: Any, master_weights: bool) -> None:

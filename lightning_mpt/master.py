@@ -66,6 +66,11 @@ _AUTOCAST_UNCOVERED = (nn.Bilinear, nn.RNNBase, nn.RNNCellBase, nn.EmbeddingBag,
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def distributed() -> bool:
+    """Whether this process is one of several in a ``torch.distributed`` group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 @dataclass
 class PreparedGrads:
     """The gradients of one optimizer, unscaled into fp32, waiting for the step."""
@@ -102,7 +107,7 @@ class PreparedGrads:
         """
         grads = self.fp32_grads()
         local = ~torch.isfinite(max_abs(grads)) if grads else None
-        if self.optimizer is None or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if self.optimizer is None or not distributed():
             return local
         order = {p: i for i, p in enumerate(_params_of(self.optimizer))}
         device = local.device if local is not None else next(iter(order)).device
@@ -246,7 +251,7 @@ class MasterWeights:
 
     def broadcast(self, src: int = 0) -> None:
         """Make every process hold the masters of rank ``src`` (their half weights follow)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 or not self._masters:
+        if not distributed() or not self._masters:
             return
         for group in _by_device(list(self._masters.values())).values():
             flat = torch.cat([m.reshape(-1) for m in group])
