@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES, PreparedGrads
+from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES, PreparedGrads, distributed
 
 __all__ = [
     "CollectiveBytes",
@@ -171,9 +171,9 @@ def check_sharding(
             f"MPTPrecision under FSDP2: the parameters {_some(unsharded)} are not sharded by fully_shard, so nothing "
             f"would reduce their gradients across processes. Call fully_shard on the root module last. {where.how}"
         )
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     spans = {p.device_mesh.size() for p in module.parameters() if isinstance(p, DTensor)}
-    if world > 1 and spans == {1}:
+    if distributed() and spans == {1}:
+        world = dist.get_world_size()
         raise ValueError(
             f"MPTPrecision under FSDP2: fully_shard's device mesh spans 1 of the {world} processes, so nothing would "
             "reduce gradients across them and each process would train its own copy of the model. Shard over every "
