@@ -369,9 +369,10 @@ class MixedPrecisionLogger:
 
     def finalize(self) -> None:
         """At the end of training: the overflow summary (the text ``mpt/overflow_summary`` when there were skipped
-        steps, the record ``mpt/data/overflow_summary``) and whatever is still queued."""
+        steps, the record ``mpt/data/overflow_summary``) and whatever is still queued, written to disk."""
         self.scale_log.summary(self.sink, self.global_step)
         self.recorder.flush()
+        self.sink.flush()
 
     # ------------------------------------------------------------------------------------------------ internals
     def _stopped(self, error: BaseException) -> None:
@@ -387,6 +388,7 @@ class MixedPrecisionLogger:
             if isinstance(error, NonFiniteGradientError):
                 self.scale_log.stopped(self.sink, last.step if last is not None else self.global_step, error)
         self.scale_log.summary(self.sink, self.global_step)
+        self.sink.flush()  # the error may end the process: the stop is on disk first
 
     def _causes(self) -> tuple[list[str], Optional[bool]]:
         """At a GradScaler overflow: the parameters whose gradients hold inf/NaN and whether the loss was finite

@@ -55,6 +55,16 @@ class Sink:
     def active(self) -> bool:
         return self.writer is not None or bool(self.loggers)
 
+    def flush(self) -> None:
+        """Write what the TensorBoard writer still buffers to disk (it flushes on a timer otherwise), so that a
+        process that dies afterwards (gloo's abort at exit, a kill) loses no event; other loggers save."""
+        if self.writer is not None:
+            self.writer.flush()
+        for logger in self.loggers:
+            save = getattr(logger, "save", None)
+            if callable(save):
+                save()
+
     def scalars(self, values: dict[str, Optional[float]], step: int) -> None:
         """Write ``values`` (tag -> value; ``None`` values are left out) at ``step``."""
         values = {k: float(v) for k, v in values.items() if v is not None}
