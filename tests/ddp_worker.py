@@ -20,20 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from models import InjectInf, TinyMLP, quiet_trainer, regression_data
-from torch import nn
+from models import InjectInf, NoNormMLP, TinyMLP, quiet_trainer, regression_data
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_mpt import MPTPrecision
 from lightning_mpt.callbacks import UnderflowMonitor
-
-
-class NoNormMLP(TinyMLP):
-    """TinyMLP without its LayerNorm: every parameter is half under MPTPrecision."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
 class Record(L.Callback):

@@ -86,6 +86,14 @@ class TinyMLP(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
 
 
+class NoNormMLP(TinyMLP):
+    """TinyMLP without its LayerNorm: every parameter is half under MPTPrecision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
 class SmallCNN(L.LightningModule):
     """Conv -> BatchNorm -> ReLU -> pool -> Linear classifier."""
 

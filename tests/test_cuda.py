@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import InjectInf, TinyMLP, quiet_trainer, regression_data, run_until_written
+from models import InjectInf, NoNormMLP, TinyMLP, quiet_trainer, regression_data, run_until_written
 
 from lightning_mpt import DynamicLossScaler, MPTPrecision
 
@@ -243,14 +243,6 @@ def test_benchmark_gpu_path_on_a_tiny_model(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ DDP over NCCL
-class NoNormMLP(TinyMLP):
-    """Every parameter half under MPTPrecision."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
 class Record(L.Callback):
     """Per step: loss scale, skip, SHA-1 of the masters, bytes all-reduced; written to OUT/rank<r>.json at the end."""
 
