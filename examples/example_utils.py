@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any, Optional
 
@@ -202,8 +203,13 @@ def decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
 
 
 def print_summary(name: str, summary: dict[str, Any]) -> None:
-    """One line ``name: key=value, ...`` with floats to four significant digits."""
-    print(f"{name}:", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    """One line ``name: key=value, ...`` with floats to four significant digits.
+
+    Written and flushed in one call: processes that share the stdout pipe cannot split the line.
+    """
+    fields = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
+    sys.stdout.write(f"{name}: {fields}\n")
+    sys.stdout.flush()
 
 
 class LossHistory(L.Callback):

@@ -127,7 +127,10 @@ def train(
     version: int,
     plugin: Optional[MPTPrecision] = None,
 ) -> dict[str, Any]:
-    """One Fabric run; ``plugin`` (MPTPrecision) or Fabric's own ``precision``. Returns a summary (on every rank)."""
+    """One Fabric run; ``plugin`` (MPTPrecision) or Fabric's own ``precision``.
+
+    Prints the summary on rank 0 and returns it on every rank.
+    """
     logger = TensorBoardLogger(args.logdir, name=NAME, version=version, sub_dir=precision)
     fabric = L.Fabric(
         accelerator=args.accelerator,
@@ -194,6 +197,8 @@ def train(
         summary.update(skipped_steps=plugin.skipped_steps, final_loss_scale=plugin.loss_scale)
         plugin.restore()  # done: the model is fp32 again (what a checkpoint of it would hold)
     summary.update(seconds=seconds, logdir=logger.log_dir)
+    if fabric.global_rank == 0:  # rank 0's line only: the processes share stdout
+        print_summary(precision, summary)
     return summary
 
 
@@ -230,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
     version = next_version(args.logdir, NAME)
     mpt_name = f"mpt-{args.precision}"
     keep_fp32 = (*DEFAULT_KEEP_FP32, RMSNorm)
-    runs = {
+    return {
         mpt_name: train(
             args,
             mpt_name,
@@ -241,9 +246,6 @@ def main(argv: Optional[list[str]] = None) -> dict[str, dict[str, Any]]:
         ),
         "bf16-mixed": train(args, "bf16-mixed", data, val, version),
     }
-    for name, summary in runs.items():
-        print_summary(name, summary)
-    return runs
 
 
 if __name__ == "__main__":
