@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -203,6 +204,22 @@ class InjectInf(L.Callback):
             grad = dict(module.named_parameters())[self.param_name].grad
             grad.view(-1)[0] = value
             self.injected.append(batch_idx)
+
+
+def check_fp32_accumulation(grad: Callable[..., torch.Tensor]) -> None:
+    """Summing 64 micro-batch gradients of ``Linear(16, 1, bias=False)`` rounds in fp16 and is exact in fp32.
+
+    ``grad(x, **plugin_kwargs)`` runs one backward per row of ``x`` with the loss ``model(row).mean() * 2**-10``,
+    averaged over the 64 micro-batches, through ``MPTPrecision("fp16", scaler=2.0**10, **plugin_kwargs)``, and
+    returns the unscaled fp32 master gradient that the step would see (as float64).
+    """
+    g = torch.Generator().manual_seed(0)
+    x = 1 + torch.randint(0, 1024, (64, 16), generator=g) / 1024  # exact in fp16: only the summation rounds
+    exact = (x.double().sum(0) * 2.0**-10 / 64).unsqueeze(0)  # the gradient in fp64
+    error = lambda got: ((got - exact).norm() / exact.norm()).item()
+    half, fp32 = error(grad(x)), error(grad(x, accumulate_fp32=True))
+    assert fp32 == 0.0  # every micro-batch gradient is exact in fp16, and their sum exact in fp32
+    assert half > 1e-4  # the fp16 running sum rounds at every addition
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from models import InjectInf, TinyMLP, quiet_trainer, regression_data
+from models import InjectInf, TinyMLP, check_fp32_accumulation, quiet_trainer, regression_data
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -588,25 +588,15 @@ class TinyGrads(L.LightningModule):
 
 @pytest.mark.skipif(not GRAD_DTYPE, reason="needs torch >= 2.13 (Tensor.grad_dtype)")
 def test_accumulate_fp32_sums_micro_batches_in_fp32():
-    g = torch.Generator().manual_seed(0)
-    # inputs and factors exact in fp16, so the only rounding left is the summation's
-    x = 1 + torch.randint(0, 1024, (64, 16), generator=g) / 1024
-    data = DataLoader(TensorDataset(x), batch_size=1)
-
-    def grad(**plugin_kwargs: Any) -> torch.Tensor:
+    def grad(x: torch.Tensor, **plugin_kwargs: Any) -> torch.Tensor:
         torch.manual_seed(0)
         model = TinyGrads()
         quiet_trainer(
-            max_steps=1, accumulate_grad_batches=64, plugins=[MPTPrecision("fp16", scaler=2.0**10, **plugin_kwargs)]
-        ).fit(model, data)
+            max_steps=1, accumulate_grad_batches=len(x), plugins=[MPTPrecision("fp16", scaler=2.0**10, **plugin_kwargs)]
+        ).fit(model, DataLoader(TensorDataset(x), batch_size=1))
         return model.seen[0]
 
-    x = x.double()
-    exact = (x.sum(0) * 2.0**-10 / 64).unsqueeze(0)  # d(mean over micro-batches of w.x * 1e-3)/dw, in fp64
-    error = lambda got: ((got - exact).norm() / exact.norm()).item()
-    half, fp32 = error(grad()), error(grad(accumulate_fp32=True))
-    assert fp32 == 0.0  # every micro-batch gradient is exact in fp16 and their sum exact in fp32
-    assert half > 1e-4  # the fp16 running sum rounds at every addition
+    check_fp32_accumulation(grad)
 
 
 def test_accumulate_fp32_is_checked():
