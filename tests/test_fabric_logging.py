@@ -87,8 +87,15 @@ def compute_loss(module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.mse_loss(module(x).float(), y)
 
 
+SCALER = {"init_scale": 2.0**20, "growth_interval": 3}  # ours and torch's GradScaler (the reference) alike
+
+
 def scaler() -> DynamicLossScaler:
-    return DynamicLossScaler(init_scale=2.0**20, growth_interval=3)
+    return DynamicLossScaler(**SCALER)
+
+
+def grad_scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", **SCALER)
 
 
 def trainer_run(root: Path, precision: str) -> Path:
@@ -96,7 +103,7 @@ def trainer_run(root: Path, precision: str) -> Path:
     plugin = (
         MPTPrecision("fp16", scaler=scaler())
         if precision == "mpt"
-        else MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3))
+        else MixedPrecision("16-mixed", "cpu", grad_scaler())
     )
     logger = TensorBoardLogger(root, name="trainer", version=0)
     trainer = quiet_trainer(
@@ -120,7 +127,7 @@ def fabric_run(root: Path, precision: str) -> tuple[Path, MixedPrecisionLogger]:
     plugin = (
         FabricMPTPrecision("fp16", scaler=scaler())
         if precision == "mpt"
-        else FabricMixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3))
+        else FabricMixedPrecision("16-mixed", "cpu", grad_scaler())
     )
     logger = FabricTensorBoardLogger(root, name="fabric", version=0)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin], loggers=logger)
