@@ -15,7 +15,8 @@ Runs:
                                     "bf16-mixed" with the same sharding and policy; DDP + MPTPrecision("bf16")
   fp16-fsdp, fp16-hsdp, fp16-ddp    a tiny MLP, fp16 with a scale that starts too high (skips, back-offs), clipping by
                                     norm; an inf written into rank 1's gradient (its shard under FSDP2) at step 5.
-                                    HSDP: replicated over both processes, sharded over one (a 2-D mesh)
+                                    HSDP: replicated over both processes, sharded over one (a 2-D mesh). Each run also
+                                    steps a :class:`Shadow`: DDP's clipping and AdamW applied to its own gradients
   accumulate-fsdp, accumulate-ddp   the fp16 MLP, 3 micro-batches per step (fabric.no_backward_sync), clipping by value
   resume-*                          fp16 FSDP2: 10 steps straight; 5, fabric.save, a fresh Fabric, fabric.load, 5 more,
                                     from a sharded (distributed) and from a full checkpoint
@@ -57,6 +58,7 @@ STEPS = 12
 # Fabric's default mesh on one node is 1 x 2 (data parallel x tensor parallel): FSDP2 over both processes needs 2 x 1
 SHARD_OVER_BOTH = {"data_parallel_size": 2, "tensor_parallel_size": 1}
 INJECT_STEP = 5
+LR = 3e-3  # AdamW's, with its other defaults (tests/test_fabric_fsdp.py derives a bound from them)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -80,6 +82,36 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's state tensors in the order of its parameters, whole."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return [full(v) for p in params for _, v in sorted(optimizer.state.get(p, {}).items()) if torch.is_tensor(v)]
+
+
+class Shadow:
+    """DDP's arithmetic on this run's gradients: whole fp32 copies of the masters, clipped with torch's
+    ``clip_grad_norm_`` over the whole gradients and stepped by their own ``AdamW``.
+
+    Fed the run's unscaled gradients, it differs from the run's masters only by what the run computes in another
+    order than DDP: under DDP nothing (bitwise equal), under FSDP2 the clipping norm, which sums the squares shard by
+    shard and then over the ranks. tests/test_fabric_fsdp.py bounds that difference.
+    """
+
+    def __init__(self, fabric: L.Fabric, model: nn.Module, lr: float) -> None:
+        self.params = [m.detach().clone() for m in masters(fabric, model)]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+
+    def clip(self, fabric: L.Fabric, model: nn.Module, max_norm: float) -> float:
+        """Take the run's unscaled fp32 gradients (whole) and clip them as DDP does; return the norm."""
+        plugin = fabric.strategy.precision
+        for shadow, p in zip(self.params, model.parameters()):
+            grad = plugin.master_of(p).grad
+            shadow.grad = None if grad is None else full(grad).detach().clone()
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
+    def step(self, skipped: bool) -> None:
+        if not skipped:  # a skipped step changes nothing
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def max_abs_difference(self, whole: list[torch.Tensor]) -> float:
+        return max(float((a - b).abs().max()) for a, b in zip(self.params, whole))
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -170,7 +202,7 @@ def make(strategy: str, precision: Any, model_cls: type, out: Optional[Path] = N
     fabric.launch()
     torch.manual_seed(0)  # the same initial weights on every rank and in every run
     model = fabric.setup_module(model_cls())
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
     return fabric, model, optimizer
 
 
@@ -185,11 +217,13 @@ def train(
     logger: Optional[MixedPrecisionLogger] = None,
     accumulate: int = 1,
     clip_val: Optional[float] = None,
+    shadow: Optional[Shadow] = None,
 ) -> list[dict[str, Any]]:
     """Train ``steps``; per step: the loss, the batch's digest, the plugin's record, the masters' and the optimizer
     state's digests (gathered), and the clipping norm. With ``logger``: its fp32 reference every other step.
     ``accumulate``: micro-batches per step, all but the last under ``fabric.no_backward_sync``; ``clip_val``: clip by
-    value."""
+    value. With ``shadow`` (and ``clip``): also its norm of the same gradients, the largest absolute difference
+    between its copies and the masters, and the largest absolute master."""
     plugin = fabric.strategy.precision
     rows = []
     for step in steps:
@@ -207,6 +241,10 @@ def train(
             local.view(-1)[0] = math.inf  # this rank's part only (its shard under FSDP2)
         if logger is not None:
             logger.after_backward()
+        extra: dict[str, Any] = {}
+        if shadow is not None and clip is not None:
+            plugin.unscale_gradients(optimizer)  # decided once: clip_gradients below reuses the decision
+            extra["shadow_norm"] = shadow.clip(fabric, model, clip)
         norm = fabric.clip_gradients(model, optimizer, max_norm=clip) if clip is not None else None
         if clip_val is not None:
             fabric.clip_gradients(model, optimizer, clip_val=clip_val)
@@ -216,6 +254,11 @@ def train(
             optimizer.step()
         optimizer.zero_grad()
         record = plugin.last_step if isinstance(plugin, MPTPrecision) else None
+        whole = masters(fabric, model)
+        if shadow is not None:
+            shadow.step(record.skipped)
+            extra["shadow_difference"] = shadow.max_abs_difference(whole)
+            extra["max_abs_master"] = max(float(m.abs().max()) for m in whole)
         rows.append({
             "step": step,
             "loss": loss.item(),
@@ -224,9 +267,10 @@ def train(
             "skipped": record.skipped if record else False,
             "culprits": sorted(record.nonfinite_params) if record else [],
             "norm": None if norm is None else float(full(norm)),
-            "masters": sha(masters(fabric, model)),
+            "masters": sha(whole),
             "state": sha(optimizer_state(optimizer)),
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            **extra,
         })
     return rows
 
@@ -256,8 +300,11 @@ def compare_fp16(out: Path) -> None:
         scaler = DynamicLossScaler(init_scale=2.0**20, growth_interval=3)
         plugin = MPTPrecision("fp16", scaler=scaler, sharded=strategy != "ddp")
         fabric, model, optimizer = make(strategy, plugin, MLP)
-        rows = train(fabric, model, optimizer, MLP, range(STEPS), clip=0.05, inject=INJECT_STEP)
-        write(out, name, fabric, {"rows": rows, "skipped_steps": plugin.skipped_steps, "loss_scale": plugin.loss_scale})
+        shadow = Shadow(fabric, model, LR)
+        rows = train(fabric, model, optimizer, MLP, range(STEPS), clip=0.05, inject=INJECT_STEP, shadow=shadow)
+        numel = sum(p.numel() for p in shadow.params)
+        data = {"rows": rows, "skipped_steps": plugin.skipped_steps, "loss_scale": plugin.loss_scale, "numel": numel}
+        write(out, name, fabric, data)
 
 
 def accumulated(out: Path) -> None:
@@ -322,7 +369,7 @@ def meta_init(out: Path) -> None:
         module = MLP()
     meta = all(p.is_meta for p in module.parameters())
     model = fabric.setup_module(module)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
     rows = train(fabric, model, optimizer, MLP, range(4))
     write(out, "meta", fabric, {"rows": rows, "meta": meta})
 
