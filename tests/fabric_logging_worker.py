@@ -3,7 +3,9 @@
 usage: python fabric_logging_worker.py OUT
 
 ``Fabric(devices=2, strategy="ddp", plugins=[MPTPrecision("fp16")])``, the logger at every step and the fp32 reference
-every 2 steps; the ranks see different batches (rank 1's gradients are smaller: more of them flush). Each rank writes
+every 2 steps; the ranks see different batches, and rank 1's loss is multiplied by 1e-20: every nonzero gradient of
+its fp32 reference lies far below fp16's smallest subnormal and flushes, while rank 0's are of the order of its
+outputs (its output bias's at least cannot flush): the ranks' counts differ by construction. Each rank writes
 ``OUT/rank<r>.json``: its own and the reduced reference counts, the plugin's history, its host reads and its pid;
 rank 0's TensorBoard files go to ``OUT/tb``.
 """
@@ -26,8 +28,8 @@ from lightning_mpt.fabric import MixedPrecisionLogger, MPTPrecision
 STEPS = 6
 
 
-def loss_of(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(module(x).float(), y)
+def loss_of(module: nn.Module, x: torch.Tensor, y: torch.Tensor, gain: float) -> torch.Tensor:
+    return F.mse_loss(module(x).float(), y) * gain
 
 
 def main() -> None:
@@ -47,13 +49,14 @@ def main() -> None:
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     diagnostics = MixedPrecisionLogger(fabric, model, every_n_steps=1, histograms_every_n_steps=2)
     g = torch.Generator().manual_seed(rank)
+    gain = 1e-20 if rank else 1.0
     references = []
     for step in range(STEPS):
-        x = torch.randn(8, 16, generator=g) * (1e-6 if rank else 1e-3)
+        x = torch.randn(8, 16, generator=g) * 1e-3
         y = torch.randn(8, 4, generator=g) * 1e-3
         if step % 2 == 0:
-            references.append(diagnostics.reference(loss_of, x, y).step)
-        fabric.backward(loss_of(model, x, y))
+            references.append(diagnostics.reference(loss_of, x, y, gain).step)
+        fabric.backward(loss_of(model, x, y, gain))
         diagnostics.after_backward()
         diagnostics.step(optimizer)
         optimizer.zero_grad()
