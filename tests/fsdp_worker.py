@@ -453,6 +453,7 @@ def crossload(out: Path) -> None:
             0,
             {
                 "keys_equal": list(fsdp_model) == list(ddp_model),
+                # nothing trained after loading (resumed at its last step): copies of the saved values
                 "equal": all(torch.equal(fsdp_model[k].float(), ddp_model[k].float()) for k in fsdp_model),
                 "dtypes": sorted({str(v.dtype) for v in fsdp_model.values()}),
             },

@@ -36,6 +36,8 @@ def run_workers(tmp_path: Path, strategy: str, precision: str, *extra: str) -> l
 def test_ranks_agree_and_an_inf_on_one_rank_skips_the_step_on_both(tmp_path, strategy):
     rank0, rank1 = run_workers(tmp_path, strategy, "mpt-fp16", "--inject-step", "3", "--inject-rank", "1")
     assert len(rank0) == len(rank1) == 6
+    # bitwise across ranks: the all-reduce hands both ranks the same sum of 2 values (commutative), and the step is
+    # elementwise; the ranks start from different weights on purpose (the worker), which DDP and the plugin sync
     for a, b in zip(rank0, rank1):
         assert (a["scale"], a["skipped"], a["weights_sha1"]) == (b["scale"], b["skipped"], b["weights_sha1"]), a["step"]
     skipped = [row["skipped"] for row in rank0]
@@ -62,7 +64,7 @@ def test_the_fp32_reference_leaves_ddp_intact(tmp_path):
     """UnderflowMonitor re-runs the batch in fp32 with the masters; DDP must keep reducing afterwards."""
     rank0, rank1 = run_workers(tmp_path, "ddp", "mpt-bf16", "--reference")
     assert len(rank0) == len(rank1) == 6
-    assert [r["weights_sha1"] for r in rank0] == [r["weights_sha1"] for r in rank1]
+    assert [r["weights_sha1"] for r in rank0] == [r["weights_sha1"] for r in rank1]  # one all-reduced sum (see above)
     assert len({r["weights_sha1"] for r in rank0}) == 6  # and it trained
     assert all(r["bytes"] > 0 for r in rank0)
 
@@ -74,7 +76,7 @@ def test_fp32_accumulation_under_ddp_reduces_half_gradients_once_per_step(tmp_pa
         tmp_path, "ddp", "mpt-bf16", "--model", "nonorm", "--accumulate", "3", "--accumulate-fp32"
     )
     assert len(rank0) == len(rank1) == 18  # 6 optimizer steps of 3 micro-batches
-    assert [r["weights_sha1"] for r in rank0] == [r["weights_sha1"] for r in rank1]
+    assert [r["weights_sha1"] for r in rank0] == [r["weights_sha1"] for r in rank1]  # one all-reduced sum per step
     hashes = [r["weights_sha1"] for r in rank0]
     assert len(set(hashes)) == 7
     assert hashes[2::3] == list(dict.fromkeys(hashes[2::3]))
