@@ -25,9 +25,9 @@ ruff: $(STAMP)
 lint: ruff  ## ruff (lint and format) and mypy --strict on the package
 	$(VENV)/bin/mypy
 
-test: lint  ## lint (ruff, mypy --strict), the test suite and the strict documentation build (what CI runs)
+test: lint  ## lint (ruff, mypy --strict), the test suite and the strict documentation build, warnings shown (what CI runs)
 	MPT_REQUIRE_EXAMPLES=1 $(PY) -m pytest -q
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 FLOOR_VENV ?= .venv-floor
 test-floor:  ## the suite on the oldest torch, lightning, torchmetrics and tensorboard that pyproject.toml declares

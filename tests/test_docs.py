@@ -1,4 +1,5 @@
-"""Every ```python block of docs/*.md and README.md runs, one test per block.
+"""Every ```python block of docs/*.md and README.md runs, one test per block; the strict documentation build fails on
+a broken link.
 
 The blocks of one page share a namespace and run in page order, so a page can build up state (a model in one
 block, a Trainer in the next). Running one block alone (``pytest -k "concepts.md and 3"``) first runs the blocks
@@ -13,6 +14,10 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 import textwrap
 import traceback
 from dataclasses import dataclass
@@ -126,3 +131,33 @@ def test_blocks_are_found() -> None:
     matches = list(FENCE.finditer(sample))
     assert [m["info"] for m in matches] == ['python title="a.py"', "python"]
     assert textwrap.dedent(matches[1]["body"]) == "y = x + 1\n"
+
+
+def makefile_docs_build() -> list[str]:
+    """The documentation build of the Makefile's ``test`` target (what CI runs), run by this interpreter."""
+    recipe = re.search(r"^test:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert recipe, "the Makefile has no test target"
+    (line,) = [line for line in recipe[1].splitlines() if "mkdocs build" in line]
+    return [sys.executable, "-m", "mkdocs", *shlex.split(line.split("mkdocs", 1)[1], comments=True)]
+
+
+@pytest.mark.slow
+def test_the_strict_docs_build_fails_on_a_broken_link_and_says_so(tmp_path: Path) -> None:
+    """``make test``'s build of a copy of the documentation with a link to a missing page fails, and its output names
+    the link (a build that hides its warnings, ``--quiet``, counts none of them in strict mode)."""
+    for name in ("mkdocs.yml", "CHANGELOG.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    with open(tmp_path / "docs" / "index.md", "a", encoding="utf-8") as page:
+        page.write("\n[a page that is not there](does-not-exist.md)\n")
+    build = subprocess.run(
+        makefile_docs_build(),
+        cwd=tmp_path,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = build.stdout + build.stderr
+    assert build.returncode != 0, output[-3000:]
+    assert "does-not-exist.md" in output, output[-3000:]
