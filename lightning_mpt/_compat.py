@@ -100,6 +100,13 @@ def attached_trainer(module: Any) -> Optional[Any]:
     return getattr(module, "_trainer", None)
 
 
+# Lightning's ``WeightAveraging`` (lightning >= 2.6, through 2.6.6) moves weights between the LightningModule and its
+# average in two private methods, which its public hooks call with the module. The plugin hands those hooks a view of
+# the fp32 masters in place of the module; a subclass that overrides one of these methods would receive that view, so
+# such a subclass is left unadapted, with a warning. Why: no public method does the swap or the copy.
+WEIGHT_AVERAGING_HELPERS = ("_swap_models", "_copy_average_to_current")
+
+
 # --- diagnostics and report
 
 

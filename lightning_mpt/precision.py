@@ -8,7 +8,7 @@ fp32 copy), :class:`~lightning_mpt.policy.StepPolicy` (scale, decide, guard) and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal, Union
@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mpt import _compat
+from lightning_mpt import _averaging, _compat
 from lightning_mpt._attributes import EngineAttributes, report_half_kept
 from lightning_mpt.engine import Masters
 from lightning_mpt.master import DEFAULT_KEEP_FP32
@@ -81,7 +81,7 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
         self._policy, self._masters = self._engine.policy, self._engine.masters  # the pieces it delegates to
         self._copy_masters = self._masters  # one device and DDP: an fp32 copy; FSDP2: its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
-        self._swa: list[Any] = []  # StochasticWeightAveraging callbacks adapted to the masters
+        self._averaging: list[_averaging.Adapted] = []  # weight-averaging callbacks pointed at the masters
 
     _access = "trainer.precision_plugin"
 
@@ -131,14 +131,13 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
         self._masters.broadcast()
         trainer = _compat.attached_trainer(lightning_module)
         if trainer is not None and self.master_weights:
-            self._swa = _adapt_weight_averaging(trainer.callbacks, self._masters)
+            self._averaging = _averaging.adapt(trainer.callbacks, self._masters)
         return model, optimizers, lr_schedulers
 
     def teardown(self) -> None:
-        for callback in self._swa:
-            for name in ("update_parameters", "transfer_weights"):
-                callback.__dict__.pop(name, None)
-        self._swa.clear()
+        for adapted in self._averaging:
+            adapted.release()
+        self._averaging.clear()
         self._engine.restore()
 
     # ------------------------------------------------------------------ forward and backward
@@ -230,56 +229,6 @@ def _check_optimizer(optimizer: Optimizer) -> None:
             "step(), where scaled gradients cannot be checked and unscaled (as with Lightning's '16-mixed'). Use "
             "MPTPrecision('bf16') (no scaler), a first-order optimizer (SGD, Adam, AdamW, ...), or '32-true'."
         )
-
-
-def _adapt_weight_averaging(callbacks: list[Any], masters: Masters) -> list[Any]:
-    """Make Lightning's ``StochasticWeightAveraging`` average the fp32 masters and write its result into them.
-
-    SWA reads and writes the module's parameters through two public static methods; on this callback instance they
-    are given the masters instead (removed again at teardown), so the averaged weights are exact fp32, not rounded to
-    the half format. Subclasses that override those methods are left alone, with a warning.
-    """
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
-
-    adapted = []
-    for callback in callbacks:
-        if not isinstance(callback, StochasticWeightAveraging):
-            continue
-        cls = type(callback)
-        if (
-            cls.update_parameters is not StochasticWeightAveraging.update_parameters
-            or cls.transfer_weights is not StochasticWeightAveraging.transfer_weights
-        ):
-            rank_zero_warn(
-                f"MPTPrecision: {cls.__name__} overrides update_parameters/transfer_weights, so it averages the "
-                "half-precision weights; average `trainer.precision_plugin.master_of(p)` for fp32 accuracy."
-            )
-            continue
-
-        # SWA only calls .parameters() on what it is given: a view of the masters stands in for the module
-        def update_parameters(average_model: Any, model: Module, n_averaged: Tensor, avg_fn: Any) -> None:
-            view: Any = _MasterView(model, masters)
-            StochasticWeightAveraging.update_parameters(average_model, view, n_averaged, avg_fn)
-
-        def transfer_weights(src_pl_module: Any, dst_pl_module: Module) -> None:
-            view: Any = _MasterView(dst_pl_module, masters)
-            StochasticWeightAveraging.transfer_weights(src_pl_module, view)
-            masters.refresh()
-
-        setattr(callback, "update_parameters", update_parameters)  # on this instance only; removed at teardown
-        setattr(callback, "transfer_weights", transfer_weights)
-        adapted.append(callback)
-    return adapted
-
-
-class _MasterView:
-    """What weight-averaging code reads as ``module.parameters()``: the fp32 masters, in the module's order."""
-
-    def __init__(self, module: Module, masters: Masters) -> None:
-        self.module, self.masters = module, masters
-
-    def parameters(self) -> Iterator[Tensor]:
-        return iter(self.masters.main_params(self.module.parameters()))
 
 
 def check_strategy(strategy: Any) -> None:
