@@ -227,3 +227,9 @@ def fsdp_forward_hooks_suspended(module: torch.nn.Module) -> Iterator[int]:
             ordered = sorted(hooks.items(), key=lambda kv: place.get(kv[0], len(order)))  # new hooks stay last
             hooks.clear()
             hooks.update(ordered)
+
+
+def forward_pre_hooks(module: torch.nn.Module) -> list[Any]:
+    """The forward pre-hooks registered on ``module`` (torch keeps them in a private dict; the legacy hook-based
+    ``spectral_norm`` and ``weight_norm`` are found there)."""
+    return list(module._forward_pre_hooks.values())

@@ -65,7 +65,7 @@ class Masters(Protocol):
     :class:`~lightning_mpt.master.MasterWeights`, an fp32 copy of each half parameter (one device, DDP), and
     :class:`~lightning_mpt.fsdp.ShardedMasters`, FSDP2's own sharded fp32 parameters (no copy)."""
 
-    def convert(self, module: nn.Module) -> nn.Module: ...
+    def convert(self, module: nn.Module, restored: bool = False) -> nn.Module: ...
     def restore(self) -> None: ...
     def adopt_optimizer(self, optimizer: Optimizer) -> list[Any]: ...
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> PreparedGrads: ...
@@ -74,7 +74,7 @@ class Masters(Protocol):
     def exit(self, optimizer: Optimizer, prepared: PreparedGrads, stepped: bool) -> None: ...
     def discard(self, prepared: PreparedGrads) -> None: ...
     def release_stepped(self, drop_module_grads: bool) -> None: ...
-    def unprepare(self, prepared: PreparedGrads, scale: float) -> None: ...
+    def rescale(self, prepared: PreparedGrads, scale: float) -> None: ...
     def accumulate_in_fp32(self, sync: bool) -> None: ...
     def name_of(self, param: Tensor) -> str: ...
     def master_of(self, param: Tensor) -> Tensor: ...
@@ -123,12 +123,15 @@ class MixedPrecisionEngine:
         self.policy = StepPolicy(scaler, max_consecutive_skips)
         self.on_edits = on_edits
         self._pending: dict[Optimizer, PendingStep] = {}
+        # per optimizer, the gradients of its latest step taken with no backward since: true values, not scaled
+        self._taken: dict[Optimizer, PreparedGrads] = {}
         self._optimizers: dict[Optimizer, list[Any]] = {}  # adopted optimizers, in order -> their hook handles
 
     # ------------------------------------------------------------------ set-up and teardown
-    def convert(self, module: nn.Module) -> nn.Module:
-        """Cast ``module`` to the half format in place; its fp32 tensors become the masters."""
-        return self.masters.convert(module)
+    def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
+        """Cast ``module`` to the half format in place; its fp32 tensors become the masters (``restored``: see
+        :meth:`MasterWeights.convert`)."""
+        return self.masters.convert(module, restored)
 
     def adopt(self, optimizer: Optimizer) -> int:
         """The index of ``optimizer`` (its position among the optimizers seen), adopting it on first sight."""
@@ -143,6 +146,7 @@ class MixedPrecisionEngine:
                 h.remove()
         self._optimizers.clear()
         self.drop_pending()
+        self._taken.clear()
         self.masters.restore()
 
     # ------------------------------------------------------------------ backward
@@ -153,11 +157,28 @@ class MixedPrecisionEngine:
         With ``accumulate_fp32``, ``sync`` says whether this backward reduces gradients across processes (``False``
         for the micro-batches DDP runs under ``no_sync``): until then the gradients are summed in fp32.
         """
-        self.drop_pending(unprepare=True)
-        self.masters.release_stepped(drop_module_grads=False)
+        self.drop_pending(rescale=True)
+        self.release_gradients(drop=False)
         if self.accumulate_fp32:
             self.masters.accumulate_in_fp32(sync=sync and distributed())
         return self.policy.scale_loss(loss)
+
+    def release_gradients(self, drop: bool) -> None:
+        """Before a forward or a backward: free the fp32 gradients kept since the last step.
+
+        ``drop``: the module's gradients go too (Lightning's automatic optimization zeroes them before the backward
+        anyway). Otherwise the gradients a step left (unscaled) are multiplied by the scale in force, in the half
+        format, so that the next backward accumulates into them as under "32-true".
+        """
+        if drop:
+            self._taken.clear()
+        elif self._taken:
+            scale = self.policy.loss_scale
+            for prepared in self._taken.values():
+                self.masters.rescale(prepared, scale)
+            self._taken.clear()
+            self.policy.backward_scale = scale
+        self.masters.release_stepped(drop_module_grads=drop)
 
     # ------------------------------------------------------------------ the step
     def decide(self, optimizer: Optimizer) -> PendingStep:
@@ -168,7 +189,9 @@ class MixedPrecisionEngine:
             return pending
         index = self.adopt(optimizer)
         scale = self.policy.backward_scale
-        prepared = self.masters.prepare(optimizer, scale)
+        # stepping again with no backward since: the gradients are the true ones the last step left, as under "32-true"
+        repeat = self._taken.pop(optimizer, None) is not None
+        prepared = self.masters.prepare(optimizer, 1.0 if repeat else scale)
         skipped, loss_finite, edited = self.policy.sync(prepared.found_inf, prepared.edited)
         names = self.masters.adopt_edits(prepared, edited)
         if names and self.on_edits is not None:
@@ -196,7 +219,7 @@ class MixedPrecisionEngine:
             stepped = True
         finally:
             self.masters.exit(optimizer, pending.prepared, stepped=stepped)
-        self._stepped(pending)
+        self._stepped(optimizer, pending)
         return output
 
     def step_in_closure(
@@ -245,10 +268,11 @@ class MixedPrecisionEngine:
             if pending is not None and pending.prepared.entered:
                 self.masters.exit(optimizer, pending.prepared, stepped=stepped)
         if state["pending"] is not None:
-            self._stepped(state["pending"])
+            self._stepped(optimizer, state["pending"])
         return output
 
-    def _stepped(self, pending: PendingStep) -> None:
+    def _stepped(self, optimizer: Optimizer, pending: PendingStep) -> None:
+        self._taken[optimizer] = pending.prepared
         self.policy.record(False, pending.loss_finite, pending.optimizer, pending.scale)
         self.policy.stepped(pending.optimizer)
 
@@ -262,12 +286,12 @@ class MixedPrecisionEngine:
         self.masters.discard(prepared)
         self.policy.check_guard(record)
 
-    def drop_pending(self, unprepare: bool = False) -> None:
+    def drop_pending(self, rescale: bool = False) -> None:
         """Forget decided steps not carried out (new gradients arrived, or the run failed inside a step);
-        ``unprepare``: give their gradients back their scaled values in the parameters' format."""
+        ``rescale``: their (unscaled) gradients are scaled again for the next backward."""
         for optimizer, pending in self._pending.items():
             if pending.prepared.entered:
                 self.masters.exit(optimizer, pending.prepared, stepped=False)
-            if unprepare:
-                self.masters.unprepare(pending.prepared, pending.scale)
+            if rescale:
+                self.masters.rescale(pending.prepared, self.policy.loss_scale)
         self._pending.clear()

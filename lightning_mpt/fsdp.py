@@ -319,7 +319,7 @@ class ShardedMasters:
         self._names: dict[Tensor, str] = {}
 
     # ------------------------------------------------------------------ set-up and teardown
-    def convert(self, module: nn.Module) -> nn.Module:
+    def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
         """Check how ``module`` was sharded (:func:`check_sharding`) and learn its parameter names. Nothing is cast:
         FSDP casts, per its policy, when it all-gathers."""
         half_kept = check_sharding(module, self.dtype, self.keep_fp32, self.loop)
@@ -401,9 +401,10 @@ class ShardedMasters:
     def release_stepped(self, drop_module_grads: bool) -> None:
         """Nothing kept past the step: the gradient shards are the parameters' own."""
 
-    def unprepare(self, prepared: PreparedGrads, scale: float) -> None:
-        """Undo :meth:`prepare` for a step that will not be taken now (another backward comes first): the shards get
-        their scaled values back, so FSDP accumulates the next reduce-scatter into them consistently."""
+    def rescale(self, prepared: PreparedGrads, scale: float) -> None:
+        """Before a backward: the unscaled gradient shards that ``prepared`` left (a step decided but not taken, or
+        taken and not zeroed) are multiplied by ``scale``, the new backward's, so FSDP accumulates the next
+        reduce-scatter into them consistently."""
         grads = [_local(p.grad) for p in prepared.own_params if p.grad is not None]
         if grads and scale != 1.0:
             _compat.foreach_mul_(grads, scale)

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.utils.parametrize import ParametrizationList
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
@@ -57,6 +58,10 @@ DEFAULT_KEEP_FP32: tuple[type[nn.Module], ...] = (
     nn.LocalResponseNorm,
     nn.CrossMapLRN2d,
     *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),  # torch >= 2.4
+    # a parametrized tensor (spectral_norm, orthogonal, weight_norm): its parametrization runs ops that autocast does
+    # not cover (mv, matrix_exp, QR) and that lose the constraint in half precision; it also covers the legacy
+    # hook-based spectral_norm and weight_norm (see _reparametrized)
+    ParametrizationList,
 )
 
 # modules with parameters whose ops torch.autocast does not cover: their floating inputs (positional and keyword)
@@ -166,12 +171,24 @@ class MasterWeights:
         self._handles: list[RemovableHandle] = []
 
     # ------------------------------------------------------------------ conversion
-    def convert(self, module: nn.Module) -> nn.Module:
-        """Cast ``module``'s parameters to half precision in place, keeping the fp32 tensors as masters."""
+    def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
+        """Cast ``module``'s parameters to half precision in place, keeping the fp32 tensors as masters.
+
+        A parameter frozen now (``requires_grad=False``) gets no master: it costs only its half weight. If it is
+        unfrozen later, its master is made at its first step, from its half value.
+
+        Args:
+            module: the model, its parameters fp32 (or already half).
+            restored: the weights were just loaded from a checkpoint of a run under way: a frozen parameter whose
+                value the half format cannot hold was trained before (unfrozen then) and keeps its exact master.
+        """
         if self._converted:
             self.restore()
         kept = {id(p) for m in module.modules() if isinstance(m, self.keep_fp32) for p in m.parameters()}
+        if ParametrizationList in self.keep_fp32:
+            kept |= {id(p) for m in module.modules() for p in _reparametrized(m)}
         self._names = {p: name for name, p in module.named_parameters()}
+        trained = _not_half(module, kept, self.dtype) if restored and self.enabled else set()
         owners: dict[nn.Module, list[str]] = defaultdict(list)
         for mod in module.modules():
             for name, p in mod.named_parameters(recurse=False):
@@ -184,9 +201,8 @@ class MasterWeights:
                 grad = p.grad
                 _point(p, master.to(self.dtype), None if grad is None else grad.to(self.dtype))
                 self._converted[p] = None
-                if self.enabled:
-                    self._masters[p] = master
-                    self._param_of[master] = p
+                if self.enabled and (p.requires_grad or p in trained):
+                    self._add_master(p, master)
         self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
         for mod, names in owners.items():
             self._handles.append(_compat.register_state_dict_post_hook(mod, _MasterStateDictHook(self, names)))
@@ -222,6 +238,11 @@ class MasterWeights:
         self._param_of.clear()
         self._plans.clear()
         self._stepped.clear()
+
+    def _add_master(self, param: Tensor, master: Tensor) -> None:
+        self._masters[param] = master
+        self._param_of[master] = param
+        self._plans.clear()
 
     # ------------------------------------------------------------------ queries
     def master_of(self, param: Tensor) -> Tensor:
@@ -332,6 +353,11 @@ class MasterWeights:
         """
         out = PreparedGrads(optimizer=optimizer)
         plan = self._plan(optimizer)
+        if self.enabled and any(p.grad is not None and p in self._converted for p in plan.own):
+            for p in plan.own:  # frozen at conversion, trainable now: its master starts from its half value
+                if p.grad is not None and p in self._converted:
+                    self._add_master(p, p.detach().float())
+            plan = self._plan(optimizer)
         for p, master in plan.pairs:
             if p.grad is None:
                 master.grad = None
@@ -454,10 +480,7 @@ class MasterWeights:
         master keeps the fp32 gradient it was stepped with until :meth:`release_stepped` (the next forward).
         """
         self.swap_groups(optimizer, False)
-        if not _compat.GRAD_DTYPE:  # the half copies shown on the parameters learn of clipping
-            for shown, mg, v in zip(prepared.shown, prepared.master_grads, prepared.master_versions):
-                if _compat.version(mg) != v:
-                    shown.copy_(mg)
+        self._show_clipping(prepared)
         if stepped:
             self._stepped.append(prepared)
         else:
@@ -480,17 +503,33 @@ class MasterWeights:
             elif g is None or g.dtype != torch.float32:
                 _carry(p, torch.zeros_like(m) if g is None else g.float())
 
-    def unprepare(self, prepared: PreparedGrads, scale: float) -> None:
-        """Undo :meth:`prepare` for a step that will not be taken now (another backward comes first): the gradients
-        go back to their scaled values in the parameters' own format, so the backward accumulates into them as into
-        any gradient, and the step prepares them again (any clipping done meanwhile is kept, as under "32-true")."""
-        own = [p.grad for p in prepared.own_params if p.grad is not None]
-        if scale != 1.0 and own:
-            _compat.foreach_mul_(own, scale)
-        for p, m, g in zip(prepared.params, prepared.masters, prepared.master_grads):
+    def rescale(self, prepared: PreparedGrads, scale: float) -> None:
+        """Before a backward: the unscaled gradients that ``prepared`` left on its parameters (a step decided but not
+        taken, or taken and not zeroed) are multiplied by ``scale``, the new backward's, in their parameters' own
+        format, so the backward accumulates into them as into any gradient, as under "32-true" (clipping done
+        meanwhile is kept). A gradient zeroed or dropped since stays so."""
+        self._show_clipping(prepared)
+        rest = [p.grad for p in prepared.own_params if p.grad is not None]
+        for i, (p, m, mg) in enumerate(zip(prepared.params, prepared.masters, prepared.master_grads)):
             m.grad = None
-            if p.grad is not None:  # the master gradient holds what clipping left (also where p.grad is a half copy)
-                _carry(p, g.mul_(scale).to(p.dtype))
+            g = p.grad
+            if g is mg or (g is not None and _is_faithful_copy(prepared, i, g)):
+                _carry(p, mg.mul_(scale).to(p.dtype))  # scaled before it is rounded, so small values survive
+            elif g is not None:
+                rest.append(g)
+        if rest and scale != 1.0:
+            _compat.foreach_mul_(rest, scale)
+
+    @staticmethod
+    def _show_clipping(prepared: PreparedGrads) -> None:
+        """torch < 2.13: the half copies shown on the parameters learn of clipping done to the master gradients."""
+        if _compat.GRAD_DTYPE:
+            return
+        for i, (shown, mg, v) in enumerate(zip(prepared.shown, prepared.master_grads, prepared.master_versions)):
+            if _compat.version(mg) != v:
+                shown.copy_(mg)
+                prepared.master_versions[i] = _compat.version(mg)
+                prepared.shown_versions[i] = _compat.version(shown)
 
     def discard(self, prepared: PreparedGrads) -> None:
         """A skipped step: drop every gradient it prepared, the parameters' own included."""
@@ -547,18 +586,33 @@ class _MasterStateDictHook:
 
 
 class _MasterLoadHook:
-    """``load_state_dict`` pre-hook of one module: loaded values go into the masters exactly."""
+    """``load_state_dict`` pre-hook of one module: loaded values go into the masters exactly.
+
+    A parameter without a master (frozen at conversion) gets one when the loaded value is not a half-precision
+    value: the checkpoint was saved after it was unfrozen, and resuming must continue from its exact master.
+    """
 
     def __init__(self, owner: MasterWeights, names: list[str]) -> None:
         self.owner, self.names = owner, names
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        owner = self.owner
         for name in self.names:
             value = state_dict.get(prefix + name)
-            master = self.owner._masters.get(module.get_parameter(name))
-            if master is not None and isinstance(value, Tensor) and value.shape == master.shape:
-                with torch.no_grad():
+            p = module.get_parameter(name)
+            if not isinstance(value, Tensor) or value.shape != p.shape:
+                continue  # load_state_dict reports the mismatch
+            master = owner._masters.get(p)
+            with torch.no_grad():
+                if master is not None:
                     master.copy_(value)
+                elif (
+                    owner.enabled
+                    and value.dtype == torch.float32
+                    and p in owner._converted
+                    and not torch.equal(value, value.to(owner.dtype).float())
+                ):
+                    owner._add_master(p, value.to(p.device, copy=True))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _MasterLoadHook:
         return self
@@ -723,3 +777,36 @@ def _unscale_(grads: list[Tensor], inv_scale: float, device: Optional[torch.devi
         _compat.unscale_(group, found_inf, torch.full((), inv_scale, device=dev))
         found = found_inf if found is None else found + found_inf.to(found.device)
     return found
+
+
+def _reparametrized(module: nn.Module) -> list[Tensor]:
+    """The parameters of ``module`` that a legacy hook-based ``spectral_norm`` or ``weight_norm`` reparametrizes (the
+    parametrize-based ones live in a ``ParametrizationList``)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    names = []
+    for hook in _compat.forward_pre_hooks(module):
+        if isinstance(hook, SpectralNorm):
+            names.append(hook.name + "_orig")
+        elif isinstance(hook, WeightNorm):
+            names += [hook.name + "_g", hook.name + "_v"]
+    return [p for n, p in module.named_parameters(recurse=False) if n in names]
+
+
+def _is_faithful_copy(prepared: PreparedGrads, i: int, grad: Tensor) -> bool:
+    """torch < 2.13: whether ``grad`` is the half copy of master gradient ``i`` shown on its parameter, untouched
+    since it was written (so the master gradient holds the same values, unrounded)."""
+    return not _compat.GRAD_DTYPE and grad is prepared.shown[i] and _compat.version(grad) == prepared.shown_versions[i]
+
+
+def _not_half(module: nn.Module, kept: set[int], dtype: torch.dtype) -> set[Tensor]:
+    """The frozen fp32 parameters of ``module`` (outside ``kept``) whose values ``dtype`` cannot hold (one host
+    sync)."""
+    frozen = list({
+        p: None for p in module.parameters() if not p.requires_grad and id(p) not in kept and p.dtype == torch.float32
+    })
+    if not frozen:
+        return set()
+    flags = torch.stack([torch.ne(p.detach(), p.detach().to(dtype).float()).any() for p in frozen]).tolist()
+    return {p for p, differs in zip(frozen, flags) if differs}

@@ -92,7 +92,9 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
         if strategy is not None:
             check_strategy(strategy)
         self._masters = self._engine.masters = self._masters_for(module, strategy)
-        return self._masters.convert(module)
+        # Lightning loads a checkpoint's weights before it converts the module (strategies that restore after set-up
+        # load them into the converted module, where the load hook sees them)
+        return self._masters.convert(module, restored=trainer is not None and trainer.ckpt_path is not None)
 
     def _masters_for(self, module: Module, strategy: Any) -> Masters:
         """FSDP2's own fp32 shards under ``ModelParallelStrategy`` (or for a module sharded with ``fully_shard``),
@@ -153,7 +155,7 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
         # the last step's fp32 gradients are not needed past this point
-        self._masters.release_stepped(drop_module_grads=self._automatic)
+        self._engine.release_gradients(drop=self._automatic)
         with self.forward_context():
             yield
 

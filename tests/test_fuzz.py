@@ -3,13 +3,17 @@
 
 The space: SGD (plain, momentum + weight decay), Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, each default,
 foreach or fused where the CPU supports it; automatic optimization with ``accumulate_grad_batches`` 1-4, or manual
-optimization with one or two optimizers; clipping none, by norm or by value; two parameter groups; frozen and unused
-parameters; tied weights; a per-step LR scheduler; overflows injected into random micro-batches; fp16 with a
-dynamic or a static scale, or bf16; checkpoint and resume at a random epoch boundary.
+optimization with one or two optimizers, each step maybe followed by a second one without a backward (with or without
+``zero_grad`` between them); clipping none, by norm or by value; two parameter groups; frozen and unused parameters;
+tied weights; a per-step LR scheduler; overflows injected into random micro-batches; fp16 with a dynamic or a static
+scale, or bf16; checkpoint and resume at a random epoch boundary.
 
 The replay is the test's own: it records each micro-batch's half gradients as ``on_after_backward`` sees them (the
 scaled values the plugin will read), unscales them by multiplying by ``1/scale`` in fp32, clips them with torch's
-own functions, and steps the same torch optimizer over fp32 copies of the initial weights. Invariants:
+own functions, and steps the same torch optimizer over fp32 copies of the initial weights. A step taken again with no
+backward in between steps the replay again with the gradients it used last (as under "32-true"), or with none after
+``zero_grad``. Parameters frozen when the model is converted have no master: they hold the replay's values rounded to
+the half format. Invariants:
 
 (i) after every optimizer step, the masters equal the replay, bitwise;
 (ii) the half weights equal the rounded masters;
@@ -84,11 +88,16 @@ class Setup:
     resume_epoch: Optional[int]  # resume from the checkpoint written at the end of this epoch
     precision: str  # "fp16-dynamic", "fp16-static", "bf16"
     seed: int
+    again: Optional[str] = None  # manual optimization: after each step, "step" again, or "zero_grad" then step again
 
     def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
         cls, hyper, _ = OPTIMIZERS[self.optimizer]
         extra = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[self.variant]
         return cls(params, **hyper, **extra)
+
+    @property
+    def plugin_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16" else torch.float16
 
     def plugin(self) -> MPTPrecision:
         if self.precision == "bf16":
@@ -117,6 +126,7 @@ def setups(draw: st.DrawFn) -> Setup:
         resume_epoch=draw(st.sampled_from([None, None, 0, 1])),
         precision=draw(st.sampled_from(["fp16-dynamic", "fp16-static", "bf16"])),
         seed=draw(st.integers(0, 2**16)),
+        again=draw(st.sampled_from([None, "step", "zero_grad"])) if mode != "auto" else None,
     )
 
 
@@ -159,6 +169,10 @@ class FuzzModel(L.LightningModule):
                 algorithm, value = self.setup_.clip
                 self.clip_gradients(opt, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
             opt.step()
+            if self.setup_.again == "zero_grad":
+                opt.zero_grad()
+            if self.setup_.again is not None:
+                opt.step()
         for scheduler in schedulers:
             scheduler.step()
         return None
@@ -209,7 +223,12 @@ class Replay(L.Callback):
         self.grads: dict[int, Tensor] = {}  # id(param) -> half gradient after the latest backward
         self.scale = 1.0
         self.steps_checked = 0
-        self.lrs_seen: list[list[float]] = []  # per optimizer-step attempt (skipped included): the lrs in force
+        self.backwards = 0
+        self.backwards_at_step: dict[int, int] = {}  # optimizer index -> backwards counted at its latest step
+        self.repeat: dict[int, bool] = {}  # optimizer index -> its latest step came with no backward since the last
+        self.attempts: dict[int, int] = {}  # optimizer index -> its step attempts (skipped included, repeats not)
+        # per step attempt: (optimizer index, its earlier attempts (repeats not counted), the lrs in force)
+        self.lrs_seen: list[tuple[int, int, list[float]]] = []
         self.before: dict[int, Any] = {}  # optimizer index -> snapshot before its step
         self.history_len = 0
         self.epoch_masters: dict[int, dict[str, Tensor]] = {}
@@ -222,10 +241,15 @@ class Replay(L.Callback):
     def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.scale = trainer.precision_plugin.backward_scale
         self.grads = {id(p): p.grad.detach().clone() for p in module.parameters() if p.grad is not None}
+        self.backwards += 1
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
         index = trainer.optimizers.index(optimizer)
-        self.lrs_seen.append([g["lr"] for g in optimizer.param_groups])
+        repeat = self.repeat[index] = self.backwards_at_step.get(index) == self.backwards
+        self.backwards_at_step[index] = self.backwards
+        if not repeat:
+            self.attempts[index] = self.attempts.get(index, 0) + 1
+        self.lrs_seen.append((index, self.attempts[index] - 1, [g["lr"] for g in optimizer.param_groups]))
         self.before[index] = snapshot(trainer, module, optimizer)
 
     # -------------------------------------------------------------- (i) masters equal the replay
@@ -233,23 +257,38 @@ class Replay(L.Callback):
         plugin = trainer.precision_plugin
         optimizer, replica = trainer.optimizers[index], self.replicas[index]
         params = [p for ps in [module.param_sets()[index]] for p in ps]
+        copies = [self.copy_of[id(p)] for p in params]
+        if self.repeat[index]:  # the gradients of the last step again, or none where zero_grad dropped them
+            for p, copy in zip(params, copies):
+                if p.grad is None:
+                    copy.grad = None
+            self.replay_step(plugin, optimizer, replica, params)
+            return
         inv_scale = torch.tensor(1.0 / self.scale, dtype=torch.float32)
         for p in params:
             copy, g = self.copy_of[id(p)], self.grads.get(id(p))
             copy.grad = None if g is None else g.float() * inv_scale
-        copies = [self.copy_of[id(p)] for p in params]
         if self.setup.clip is not None:
             algorithm, value = self.setup.clip
             if algorithm == "norm":
                 torch.nn.utils.clip_grad_norm_(copies, value)
             else:
                 torch.nn.utils.clip_grad_value_(copies, value)
+        self.replay_step(plugin, optimizer, replica, params)
+
+    def replay_step(self, plugin: Any, optimizer: Any, replica: Any, params: list[nn.Parameter]) -> None:
         for group, replica_group in zip(optimizer.param_groups, replica.param_groups):
             replica_group["lr"] = group["lr"]
         replica.step()
         for p in params:
-            assert torch.equal(plugin.master_of(p), self.copy_of[id(p)]), (self.setup, self.steps_checked)
+            assert torch.equal(plugin.master_of(p).float(), self.expected(p)), (self.setup, self.steps_checked)
         self.steps_checked += 1
+
+    def expected(self, p: Tensor) -> Tensor:
+        """The replay's value of ``p``; rounded to the half format for a parameter frozen at conversion, which has no
+        master."""
+        copy = self.copy_of[id(p)].detach()
+        return copy if p.requires_grad else copy.to(self.setup.plugin_dtype).float()
 
     # -------------------------------------------------------------- (ii), (iii)
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
@@ -266,7 +305,7 @@ class Replay(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         plugin = trainer.precision_plugin
         self.epoch_masters[trainer.current_epoch] = {
-            n: plugin.master_of(p).detach().clone()
+            n: plugin.master_of(p).detach().clone().float()
             for n, p in module.state_dict(keep_vars=True).items()
             if isinstance(p, nn.Parameter)
         }
@@ -328,16 +367,13 @@ def check(setup: Setup, extra: tuple[L.Callback, ...] = ()) -> None:
         assert replay.steps_checked == sum(not r.skipped for r in plugin.history), setup
         # (iii) LR schedulers step at every optimizer step, skipped ones included (as under "16-mixed")
         if setup.scheduler:
-            per_opt = len(trainer.optimizers)
-            base = [g["initial_lr"] for opt in trainer.optimizers for g in opt.param_groups]
-            for attempt, lrs in enumerate(replay.lrs_seen):
-                k = attempt // per_opt
-                first = (attempt % per_opt) * len(lrs)
-                assert lrs == pytest.approx([b * 0.9**k for b in base[first : first + len(lrs)]], rel=1e-6), setup
+            for index, k, lrs in replay.lrs_seen:
+                base = [g["initial_lr"] for g in trainer.optimizers[index].param_groups]
+                assert lrs == pytest.approx([b * 0.9**k for b in base], rel=1e-6), setup
         # (iv) after fit: an fp32 module equal to the replay
         for p in model.parameters():
             assert p.dtype == torch.float32, setup
-            assert torch.equal(p.detach(), replay.copy_of[id(p)].detach()), setup
+            assert torch.equal(p.detach(), replay.expected(p)), setup
         # (v) checkpoints hold the masters, in fp32
         for epoch, masters in replay.epoch_masters.items():
             saved = torch.load(root / "straight" / f"epoch={epoch}.ckpt", weights_only=False)["state_dict"]
