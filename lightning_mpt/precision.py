@@ -50,8 +50,8 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
             :class:`DynamicLossScaler`, or a number for a static scale.
         master_weights: keep fp32 masters. ``False`` steps the half weights directly (same scaler), the
             configuration that shows what master weights buy.
-        keep_fp32: module types whose parameters and buffers stay fp32 (all norm layers by default); a class or a
-            tuple of classes.
+        keep_fp32: module types whose parameters and buffers stay fp32 (by default all norm layers and
+            ``ParametrizationList``, the parametrized tensors); a class or a tuple of classes.
         max_consecutive_skips: raise :class:`NonFiniteGradientError` after this many skipped steps in a row of one
             optimizer.
         accumulate_fp32: with gradient accumulation, sum the micro-batches' gradients in fp32 rather than in the half
