@@ -203,11 +203,15 @@ class StepPolicy:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> Optional[str]:
-        """Restore :meth:`state_dict`; returns a warning to show when the scaler state could not be restored."""
+        """Restore :meth:`state_dict`; returns a warning to show when the scaler state could not be restored, or when
+        the scaler is configured otherwise than the saved one (this scaler's configuration stays in force, the scale
+        and its trackers are restored: :meth:`DynamicLossScaler.restore_state`)."""
         warning = None
         scaler_state = state.get("scaler")
         if self.scaler is not None and scaler_state is not None:
-            self.scaler.load_state_dict(scaler_state)
+            changed = self.scaler.restore_state(scaler_state)
+            if changed:
+                warning = _reconfigured(changed, self.scaler.scale)
         elif (self.scaler is None) != (scaler_state is None):
             warning = (
                 f"the checkpoint was saved {'with' if scaler_state else 'without'} a loss scaler and this plugin has "
@@ -221,3 +225,15 @@ class StepPolicy:
         self.steps = int(state.get("steps", 0))
         self.backward_scale = self.loss_scale
         return warning
+
+
+def _reconfigured(changed: dict[str, tuple[Any, Any]], scale: float) -> str:
+    """The warning for a scaler configured otherwise than the one in the checkpoint: which settings, both values, and
+    which are in force."""
+    settings = "; ".join(f"{k} {saved!r} in the checkpoint, {now!r} now" for k, (saved, now) in changed.items())
+    saved = ", ".join(f"{k}={saved!r}" for k, (saved, _) in changed.items())
+    return (
+        f"the loss scaler is configured otherwise than the checkpoint's: {settings}. The new configuration is in "
+        f"force; the scale ({scale:g}) and its trackers are restored from the checkpoint. To go on with the "
+        f"checkpoint's configuration, pass scaler=DynamicLossScaler({saved}, ...) with your other settings."
+    )

@@ -261,6 +261,45 @@ class DynamicLossScaler:
         self._growth_tracker = int(growth_tracker)
         self._hysteresis_tracker = int(hysteresis_tracker)
 
+    def restore_state(self, state_dict: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Restore the scale and the trackers of ``state_dict`` and keep this scaler's configuration (a resumed run
+        whose scaler was configured anew); returns the settings whose saved value differs, ``{name: (saved, kept)}``.
+
+        The hysteresis tracker keeps its meaning, ``hysteresis`` minus the overflows since the last growth, with this
+        scaler's ``hysteresis``. With the same configuration this is :meth:`load_state_dict`; otherwise its rules
+        apply with this scaler's configuration (a scale outside its bounds is brought inside with a warning).
+
+        Args:
+            state_dict: a dict from :meth:`state_dict` or :meth:`torch.amp.GradScaler.state_dict`.
+
+        Raises:
+            KeyError: a required key is missing.
+            ValueError: a value is invalid.
+
+        Example:
+            ```python
+            saved = DynamicLossScaler(init_scale=1024.0, hysteresis=2)
+            saved.update(found_inf=True)  # one overflow, tolerated by the hysteresis
+            scaler = DynamicLossScaler(growth_interval=7, hysteresis=3)
+            changed = scaler.restore_state(saved.state_dict())
+            assert changed == {"growth_interval": (2000, 7), "hysteresis": (2, 3)}
+            assert scaler.scale == 1024.0 and scaler.growth_interval == 7 and scaler.hysteresis_tracker == 2
+            ```
+        """
+        name = f"{type(self).__name__}.restore_state"
+        kept = {k: getattr(self, k) for k in _CONFIG_KEYS}
+        try:
+            saved = _checked_config(**{**kept, **{k: state_dict[k] for k in _CONFIG_KEYS if k in state_dict}})
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name}: {error}") from None
+        changed = {k: (saved[k], kept[k]) for k in _CONFIG_KEYS if k in state_dict and saved[k] != kept[k]}
+        state = {**state_dict, **kept}
+        tracker = state_dict.get("hysteresis_tracker")
+        if "_growth_tracker" not in state_dict and _is_int(tracker) and tracker <= saved["hysteresis"]:
+            state["hysteresis_tracker"] = self.hysteresis - (saved["hysteresis"] - tracker)
+        self.load_state_dict(state)
+        return changed
+
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={getattr(self, k)!r}" for k in _CONFIG_KEYS)
         return f"{type(self).__name__}(scale={self._scale!r}, {cfg})"

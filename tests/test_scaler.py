@@ -3,6 +3,7 @@ DeepSpeed (consecutive hysteresis), the float32 scale, bounds, static scale, sta
 
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ from deepspeed_reference import DeepSpeedDynamicScaler
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from megatron_reference import MegatronDynamicScaler
+from models import TinyMLP, quiet_trainer, regression_data
 
-from lightning_mpt import DynamicLossScaler
+from lightning_mpt import DynamicLossScaler, MPTPrecision
 
 
 def f32(x: float) -> float:
@@ -424,6 +426,59 @@ def test_loads_a_gradscaler_state_dict_and_keeps_its_own_bounds_and_hysteresis()
     s.load_state_dict(ref.state_dict())
     assert (s.scale, s.growth_tracker, s.growth_interval) == (512.0, 2, 7)
     assert (s.hysteresis, s.hysteresis_tracker, s.min_scale, s.max_scale) == (3, 3, 2.0, 2.0**20)
+
+
+def test_restore_state_keeps_the_configuration_and_the_overflows_since_the_last_growth():
+    saved = DynamicLossScaler(init_scale=512.0, growth_interval=10, hysteresis=3)
+    for flag in [False, True, True, False]:  # 2 overflows since the last growth, none backed off
+        saved.update(flag)
+    state = saved.state_dict()
+    for hysteresis, tracker in [(3, 1), (5, 3), (2, 0), (1, -1)]:
+        s = DynamicLossScaler(growth_interval=4, hysteresis=hysteresis)
+        changed = s.restore_state(state)
+        assert changed == {"growth_interval": (10, 4), **({"hysteresis": (3, hysteresis)} if hysteresis != 3 else {})}
+        assert (s.scale, s.growth_tracker, s.growth_interval) == (512.0, 1, 4)
+        assert (s.hysteresis, s.hysteresis_tracker) == (hysteresis, tracker)
+    same = DynamicLossScaler(growth_interval=10, hysteresis=3)
+    assert same.restore_state(state) == {}
+    assert same.state_dict() == state
+
+
+def fit_and_save(tmp_path, scaler: DynamicLossScaler) -> tuple[str, float]:
+    """3 steps of a real fit with ``scaler`` (the first overflow at 2^20), then a checkpoint; its path and scale."""
+    trainer = quiet_trainer(plugins=[MPTPrecision("fp16", scaler=scaler)], max_steps=3)
+    trainer.fit(TinyMLP(), regression_data())
+    path = str(tmp_path / "three.ckpt")
+    trainer.save_checkpoint(path)
+    return path, trainer.precision_plugin.loss_scale
+
+
+def resume(path: str, scaler: DynamicLossScaler) -> tuple[MPTPrecision, list[str]]:
+    plugin = MPTPrecision("fp16", scaler=scaler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(plugins=[plugin], max_steps=4).fit(TinyMLP(), regression_data(), ckpt_path=path)
+    return plugin, [str(w.message) for w in caught if "loss scaler" in str(w.message)]
+
+
+def test_a_resumed_run_keeps_its_new_scaler_configuration_and_says_what_changed(tmp_path):
+    """A scaler configured anew on resume is in force, with the checkpoint's scale; the warning names each changed
+    setting with both values and says which is in force."""
+    path, scale = fit_and_save(tmp_path, DynamicLossScaler(init_scale=2.0**20))
+    plugin, said = resume(path, DynamicLossScaler(growth_interval=7, hysteresis=3))
+    assert (plugin.scaler.growth_interval, plugin.scaler.hysteresis) == (7, 3)
+    assert plugin.history[0].scale == scale  # the first resumed step ran at the saved scale
+    (message,) = said
+    assert "growth_interval 2000 in the checkpoint, 7 now; hysteresis 1 in the checkpoint, 3 now" in message
+    assert "The new configuration is in force" in message
+    assert "scaler=DynamicLossScaler(growth_interval=2000, hysteresis=1, ...)" in message
+
+
+def test_a_resumed_run_with_the_same_scaler_configuration_says_nothing(tmp_path):
+    path, scale = fit_and_save(tmp_path, DynamicLossScaler(init_scale=2.0**20, growth_interval=7))
+    plugin, said = resume(path, DynamicLossScaler(init_scale=4.0, growth_interval=7))  # init_scale is not config
+    assert said == []
+    assert plugin.history[0].scale == scale
 
 
 @pytest.mark.parametrize(
