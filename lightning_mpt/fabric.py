@@ -8,13 +8,15 @@ attributes, the same :class:`~lightning_mpt.engine.MixedPrecisionEngine` underne
   it had become the masters. The optimizer object stays the same: at each step it updates the masters, and its state
   is fp32.
 - ``model(x)`` runs under autocast; floating outputs come back in fp32, so a loss computed outside the model is fp32.
+  So do methods marked with ``model.mark_forward_method(name)``, on one device as under DDP.
 - ``fabric.backward(loss)`` multiplies the loss by the scale before backpropagating.
 - ``fabric.clip_gradients(model, optimizer, ...)`` first unscales the gradients into fp32 and decides the step (one
   host sync, all-reduced across processes), then clips the fp32 gradients the optimizer will step.
 - ``optimizer.step()`` steps the masters and writes them into the half weights, or, when a gradient was non-finite on
   any process, skips: nothing changes, the scale backs off, the gradients are dropped.
 - ``fabric.save``/``fabric.load``: the model's ``state_dict`` holds the fp32 masters; put the plugin in the state to
-  save the scaler and counters.
+  save the scaler and counters. The optimizer's state loads into fp32 exactly: the plugin finds the optimizers that
+  hold the model's parameters before their state is loaded.
 
 Under FSDP2 (Fabric's ``ModelParallelStrategy``, ``MPTPrecision(..., sharded=True)``) ``fabric.setup_module`` leaves the
 model fp32 and the strategy's ``parallelize_fn`` shards it with ``fully_shard(..., mp_policy=plugin.mp_policy)``: its
@@ -65,7 +67,9 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _compat
 from lightning_mpt._attributes import EngineAttributes, _params_of, report_half_kept
+from lightning_mpt._fabric_module import ForwardModule
 from lightning_mpt._lazy import lazy_exports
+from lightning_mpt._optimizers import LoadGuards, rounded_state, unwrap
 from lightning_mpt.master import DEFAULT_KEEP_FP32, distributed
 from lightning_mpt.policy import NonFiniteGradientError, StepRecord
 from lightning_mpt.scaler import DynamicLossScaler
@@ -143,18 +147,28 @@ class MPTPrecision(EngineAttributes, Precision):
         _check_sharded(sharded, master_weights)
         self.sharded = sharded
         self._module: Optional[Module] = None  # the converted module
+        self._forward: Optional[ForwardModule] = None  # what convert_module returned for it (one device, DDP)
         self._params: set[Tensor] = set()  # its parameters at conversion, to notice a strategy that replaced them
         self._ready = False  # masters moved next to their parameters (Fabric moves the module after converting it)
         self._synced = True  # masters made equal across processes (at the first backward, where all ranks meet)
         self._adopted: list[Optimizer] = []
+        # optimizer state loads into the masters also before the first step, which adopts the optimizer
+        self._loads = LoadGuards(self._engine.masters, self._dtype, self._ensure_ready)
 
     # ------------------------------------------------------------------ model set-up and teardown
     def convert_module(self, module: Module) -> Module:
         """Cast ``module`` to the half format in place (``fabric.setup`` calls it first); its fp32 tensors become the
         masters. With ``sharded=True`` the module stays fp32 for FSDP2 to shard; the plugin takes its shards as the
-        masters at the first forward."""
-        if module is self._module:
-            return module
+        masters at the first forward.
+
+        Returns:
+            With ``sharded=True`` the module itself (the strategy's ``parallelize_fn`` receives it). Otherwise a thin
+            wrapper whose ``forward`` calls it: Fabric then sends methods marked with ``mark_forward_method`` through
+            the plugin's autocast on one device too, as it does under DDP. The wrapper's ``state_dict``,
+            ``load_state_dict`` and attributes are the module's.
+        """
+        if self._module is not None and (module is self._module or module is self._forward):
+            return self._forward or self._module
         if self._module is not None:
             raise ValueError(
                 f"MPTPrecision holds the fp32 masters of one module and already converted a "
@@ -174,14 +188,18 @@ class MPTPrecision(EngineAttributes, Precision):
         self._engine.convert(module)
         self._params = set(module.parameters())
         self._synced = not distributed()
-        return module
+        if self.master_weights:
+            self._loads.watch(module)
+        self._forward = ForwardModule(module)
+        return self._forward
 
     def adopt(self, *optimizers: Optimizer) -> None:
-        """Take charge of ``optimizers`` now rather than at their first step.
+        """Take charge of ``optimizers`` now rather than at their first step (optional).
 
-        An optimizer is adopted at its first step anyway; adopt it before ``fabric.load`` restores its state, so that
-        the state is loaded into fp32 exactly (torch casts loaded optimizer state to the dtype of the parameters it
-        finds in the optimizer, which are half outside the step). ``fabric.setup``'s wrapped optimizers are accepted.
+        Optimizer state loads into the fp32 masters exactly without it: the plugin finds the optimizers holding the
+        module's parameters at ``fabric.setup`` and when the model's or its own entry of the state loads. Only an
+        optimizer made after set-up and restored by ``fabric.load`` before both entries needs it before the load.
+        ``fabric.setup``'s wrapped optimizers are accepted.
 
         Example:
             ```python
@@ -208,7 +226,8 @@ class MPTPrecision(EngineAttributes, Precision):
         Fabric's ``strategy.teardown()`` calls it too. The plugin's counters and scaler are kept.
         """
         self._engine.restore()
-        self._module = None
+        self._loads.close()
+        self._module, self._forward = None, None
         self._params = set()
         self._adopted.clear()
         self._ready, self._synced = False, True
@@ -239,6 +258,7 @@ class MPTPrecision(EngineAttributes, Precision):
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """Backpropagate ``tensor`` multiplied by the loss scale (``fabric.backward(loss)``)."""
         self._ensure_ready()
+        self._loads.stop()
         if not self._synced:
             self._sync_masters()
         self._engine.scale_loss(tensor, sync=self._syncs(model)).backward(*args, **kwargs)
@@ -285,7 +305,7 @@ class MPTPrecision(EngineAttributes, Precision):
         """The fp32 tensors that ``optimizer`` steps (what ``fabric.clip_gradients`` clips): masters of half
         parameters, fp32 parameters themselves."""
         self._ensure_ready()
-        return self._engine.masters.main_params(_params_of(_unwrap(optimizer)))
+        return self._engine.masters.main_params(_params_of(unwrap(optimizer)))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -295,6 +315,7 @@ class MPTPrecision(EngineAttributes, Precision):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (``fabric.load`` calls it for the plugin's entry in the state)."""
+        self._loads.scan()  # the optimizer's entry may come next
         warning = self._engine.policy.load_state_dict(state_dict)
         if warning:
             rank_zero_warn(f"MPTPrecision: {warning}")
@@ -346,7 +367,7 @@ class MPTPrecision(EngineAttributes, Precision):
         self._synced = True
 
     def _checked(self, optimizer: Any) -> Optimizer:
-        raw: Optimizer = _unwrap(optimizer)
+        raw: Optimizer = unwrap(optimizer)
         self._ensure_ready()
         self._adopt(raw)
         return raw
@@ -362,28 +383,20 @@ class MPTPrecision(EngineAttributes, Precision):
         self._warn_if_state_was_rounded(optimizer)
         self._engine.adopt(optimizer)
         self._adopted.append(optimizer)
+        self._loads.release(optimizer)
 
     def _warn_if_state_was_rounded(self, optimizer: Optimizer) -> None:
-        """State that steps have built (``step`` > 0) in the half format was loaded while the plugin did not know the
-        optimizer: torch cast it to the parameters' dtype. Say so, and how to load it exactly."""
-        masters = self._engine.masters
-        rounded = []
-        for p in _params_of(optimizer):
-            state = optimizer.state.get(p)
-            if not state or masters.master_of(p) is p:
-                continue
-            step = state.get("step")
-            halves = [k for k, v in state.items() if k != "step" and isinstance(v, Tensor) and v.dtype == self._dtype]
-            if halves and step is not None and float(step) > 0:
-                rounded.append(masters.name_of(p))
+        """Say so when state that steps built was loaded in the half format, and how to load it exactly."""
+        rounded = rounded_state(optimizer, self._engine.masters, self._dtype)
         if rounded:
             shown = ", ".join(rounded[:5]) + (f" and {len(rounded) - 5} more" if len(rounded) > 5 else "")
             rank_zero_warn(
                 f"MPTPrecision: the state of {type(optimizer).__name__} for {shown} is in {self._dtype}: it was loaded "
-                "(fabric.load) before the plugin knew the optimizer, and torch cast it to the half-precision "
-                "parameters' "
-                "dtype, so the run does not resume exactly. Call `fabric.strategy.precision.adopt(optimizer)` after "
-                "`fabric.setup` and before `fabric.load`."
+                "(fabric.load) before the plugin could see the optimizer, and torch cast it to the half-precision "
+                "parameters' dtype, so the run does not resume exactly. The plugin finds the optimizers at "
+                "fabric.setup and when the model's or the plugin's entry of the state loads: put the model before the "
+                "optimizer in fabric.load's state, or call `fabric.strategy.precision.adopt(optimizer)` before "
+                "`fabric.load`."
             )
 
 
@@ -424,13 +437,3 @@ def _replaced(module: Module, dtype: torch.dtype) -> str:
         "MPTPrecision: the module's parameters were replaced after it was converted, by a sharding strategy "
         f"(or by code that swapped them after fabric.setup); its fp32 masters no longer match. {_SUPPORTED}"
     )
-
-
-def _unwrap(optimizer: Any) -> Any:
-    """The torch optimizer behind Fabric's wrapper (what ``fabric.setup`` returns); Fabric hands the plugin the raw
-    one, users may hand it either. The wrapper is a class made on the fly in ``lightning.fabric.wrappers``."""
-    if type(optimizer).__module__ == "lightning.fabric.wrappers" and isinstance(
-        getattr(optimizer, "optimizer", None), Optimizer
-    ):
-        return optimizer.optimizer
-    return optimizer

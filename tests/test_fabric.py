@@ -214,6 +214,121 @@ def test_loss_backward_instead_of_fabric_backward_is_refused():
         model(torch.randn(4, 16)).sum().backward()
 
 
+class Encoder(nn.Module):
+    """A model with methods besides ``forward``: ``encode`` and ``encode_tokens`` run submodules, ``describe`` none."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.vocab = nn.Embedding(10, 16)
+        self.embed = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+
+    def encode(self, x: Tensor) -> Tensor:
+        return self.norm(torch.relu(self.embed(x)))
+
+    def encode_tokens(self, tokens: Tensor) -> Tensor:
+        return self.encode(self.vocab(tokens))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.encode(x))
+
+    def describe(self) -> str:
+        return f"{self.embed.in_features} -> {self.head.out_features}"
+
+
+def fabrics_own_mixed(fmt: str) -> L.Fabric:
+    """Fabric's own ``"16-mixed"``/``"bf16-mixed"`` on CPU (``precision="16-mixed"`` would fall back to bf16 there)."""
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    if fmt == "fp16":
+        return L.Fabric(accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))])
+    return L.Fabric(accelerator="cpu", plugins=[MixedPrecision("bf16-mixed", "cpu")])
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_a_marked_method_runs_under_the_plugins_autocast_on_one_device(fmt):
+    """``mark_forward_method``: on one device as under DDP the method runs under the plugin's autocast, and equals
+    Fabric's own mixed precision's autocast around the same method of an fp32 model holding the same weights."""
+    plugin = MPTPrecision(fmt)
+    fabric = fabric_with(plugin)
+    net = Encoder()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    model.mark_forward_method("encode")
+    seen = []
+    net.embed.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    x = torch.randn(8, 16)
+    out = model.encode(x)
+    assert seen == [plugin.half_dtype]  # the matmul ran in the half format
+    assert out.dtype == torch.float32  # the LayerNorm ran in fp32, and floating outputs come back fp32
+
+    reference = fabrics_own_mixed(fmt)
+    plain = reference.setup(Encoder(1))
+    plain.module.load_state_dict({n: p.detach().float() for n, p in net.named_parameters()})  # the same weights
+    with reference.autocast():
+        expected = plain.module.encode(x)
+    assert torch.equal(out, expected.float())
+
+    before = plugin.master_of(net.embed.weight).clone()
+    fabric.backward(model.encode(x).pow(2).mean())  # trains through the method as through forward
+    opt.step()
+    assert not plugin.last_step.skipped
+    assert not torch.equal(plugin.master_of(net.embed.weight), before)
+
+
+def test_an_unmarked_method_that_runs_submodules_gets_fabrics_instruction_as_under_ddp():
+    """Unmarked, a method runs outside autocast on the half weights. From integer inputs it would compute in half
+    precision silently; Fabric's own check (as under DDP) says to mark it."""
+    fabric = fabric_with(MPTPrecision("fp16"))
+    model = fabric.setup(Encoder())
+    tokens = torch.tensor([[1, 2, 3]])
+    assert model.describe() == "16 -> 4"  # a method that runs no submodule is left alone
+    with pytest.raises(
+        RuntimeError, match=r"mark it as a forward method with .*mark_forward_method\('encode_tokens'\)"
+    ):
+        model.encode_tokens(tokens)
+    model.mark_forward_method("encode_tokens")
+    assert model.encode_tokens(tokens).dtype == torch.float32
+
+
+def test_the_module_fabric_runs_keeps_names_attributes_checkpoints_and_compile(tmp_path):
+    """What ``fabric.setup`` runs wraps the user's module; nothing else may notice: ``model.module``, attribute reads
+    and writes, ``state_dict`` names (also of ``fabric.save``/``fabric.load``), and ``torch.compile``'s re-application
+    around it."""
+    from torch._dynamo import OptimizedModule
+
+    plugin = MPTPrecision("bf16")
+    fabric = fabric_with(plugin)
+    net = Encoder()
+    model, opt = fabric.setup(torch.compile(net, backend="eager"), torch.optim.Adam(net.parameters(), lr=1e-2))
+    assert isinstance(model._forward_module, OptimizedModule)  # Fabric compiled again what it runs
+    assert model.module is net
+    assert model.embed is net.embed
+    model.tag = "x"
+    assert net.tag == "x"
+    names = list(Encoder().state_dict())
+    assert list(model.state_dict()) == names
+    model.mark_forward_method("encode")
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    assert model.encode(x).dtype == torch.float32
+    for _ in range(2):
+        fabric.backward(F.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt})
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    assert list(saved) == names
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    plain = Encoder(1)
+    plain.load_state_dict(saved)
+    assert_bitwise(list(plain.parameters()), plugin.main_params(opt))
+    with torch.no_grad():
+        net.embed.weight.zero_()
+    fabric.load(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt})
+    assert_bitwise(plugin.main_params(opt), list(plain.parameters()))
+
+
 # ---------------------------------------------------------------------------------------------------- 2. overflow
 
 
@@ -459,18 +574,36 @@ def test_clip_gradients_on_an_overflow_step_does_not_raise_and_the_step_is_skipp
 # ---------------------------------------------------------------------------------------------------- 4. checkpoints
 
 
+# the entries of fabric.load's state in the order they are restored
+ORDERS = {
+    "model-first": ("model", "optimizer", "mpt"),
+    "optimizer-first": ("optimizer", "model", "mpt"),
+    "plugin-first": ("mpt", "optimizer", "model"),
+}
+
+
 def resumable_run(
     steps: list[tuple[Tensor, Tensor]],
     seed: int,
     plugin: MPTPrecision,
     fabric_state_from: Optional[Path] = None,
-    adopt: bool = True,
+    *,
+    together: bool = True,
+    order: tuple[str, ...] = ORDERS["model-first"],
+    adopt: bool = False,
 ):
+    """``together``: ``fabric.setup(model, optimizer)``; otherwise ``fabric.setup_module(model)``, then an optimizer
+    made over the set-up model and ``fabric.setup_optimizers``. ``adopt``: the optional ``adopt`` call before the
+    load."""
     fabric = fabric_with(plugin)
     model = mlp(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, opt = fabric.setup(model, opt)
-    state = {"model": model, "optimizer": opt, "mpt": plugin, "step": 0}
+    if together:
+        model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    else:
+        model = fabric.setup_module(model)
+        opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    objects = {"model": model, "optimizer": opt, "mpt": plugin}
+    state = {**{key: objects[key] for key in order}, "step": 0}
     if fabric_state_from is not None:
         if adopt:
             plugin.adopt(opt)
@@ -490,28 +623,56 @@ def scaler() -> DynamicLossScaler:
     return DynamicLossScaler(init_scale=2.0**10, growth_interval=2, hysteresis=2)
 
 
-def test_save_then_load_into_a_fresh_fabric_resumes_bitwise(tmp_path):
+def assert_resumed_exactly(tmp_path: Path, precision: str = "fp16", **resume: Any) -> None:
+    """8 steps straight against 4, ``fabric.save``, a fresh Fabric, model and optimizer, ``fabric.load`` and 4 more."""
     data = batches(8)
-    full = MPTPrecision("fp16", scaler=scaler())
+    full = MPTPrecision(precision, scaler=scaler() if precision == "fp16" else None)
     _, full_model, full_opt, _ = resumable_run(data, 0, full)
 
-    first = MPTPrecision("fp16", scaler=scaler())
+    first = MPTPrecision(precision, scaler=scaler() if precision == "fp16" else None)
     fabric, _, _, state = resumable_run(data[:4], 0, first)
     fabric.save(tmp_path / "ckpt.pt", state)
-    second = MPTPrecision("fp16", scaler=scaler())
-    _, model, opt, state = resumable_run(
-        data[4:], 1, second, tmp_path / "ckpt.pt"
-    )  # another init: all comes from the file
+    second = MPTPrecision(precision, scaler=scaler() if precision == "fp16" else None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="MPTPrecision")
+        _, model, opt, state = resumable_run(data[4:], 1, second, tmp_path / "ckpt.pt", **resume)  # another init
 
     assert state["step"] == 8
     assert second.skipped_steps == full.skipped_steps == 1
     assert second.loss_scale == full.loss_scale
-    assert second.scaler.state_dict() == full.scaler.state_dict()
+    if precision == "fp16":
+        assert second.scaler.state_dict() == full.scaler.state_dict()
     assert_bitwise(second.main_params(opt), full.main_params(full_opt))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), full_model.parameters()))
     full_state, state_ = (opt.state_dict()["state"] for opt in (full_opt, opt))
     assert all(torch.equal(full_state[i][k], state_[i][k]) for i in full_state for k in full_state[i])
     assert [r.scale for r in second.history][-4:] == [r.scale for r in full.history][-4:]
+
+
+@pytest.mark.parametrize(
+    ("together", "order"),
+    [
+        (True, "model-first"),
+        (True, "optimizer-first"),
+        (True, "plugin-first"),
+        (False, "model-first"),
+        (False, "plugin-first"),
+    ],
+    ids=lambda v: {True: "setup", False: "setup_module+setup_optimizers"}.get(v, v),
+)
+def test_save_then_load_into_a_fresh_fabric_resumes_bitwise(tmp_path, together, order):
+    """No extra call: the plugin finds the optimizer at ``fabric.setup`` (made before it) or when the model's or its
+    own entry loads (before the optimizer's)."""
+    assert_resumed_exactly(tmp_path, together=together, order=ORDERS[order])
+
+
+def test_resume_in_bf16_is_bitwise_too(tmp_path):
+    assert_resumed_exactly(tmp_path, "bf16", together=False)
+
+
+def test_adopt_is_optional_and_still_makes_the_remaining_order_exact(tmp_path):
+    """An optimizer made after set-up, restored before the model and the plugin: the one case ``adopt`` is for."""
+    assert_resumed_exactly(tmp_path, together=False, order=ORDERS["optimizer-first"], adopt=True)
 
 
 def test_the_checkpoint_holds_fp32_masters_that_load_into_a_plain_model(tmp_path):
@@ -527,14 +688,16 @@ def test_the_checkpoint_holds_fp32_masters_that_load_into_a_plain_model(tmp_path
     assert_bitwise(list(plain.parameters()), plugin.main_params(opt))
 
 
-def test_loading_optimizer_state_before_the_plugin_knows_the_optimizer_warns(tmp_path):
+def test_optimizer_state_loaded_before_the_plugin_can_see_the_optimizer_warns(tmp_path):
+    """An optimizer made after ``fabric.setup_module`` whose entry is restored first: nothing of the plugin runs before
+    its ``load_state_dict``, so torch rounds its state to fp16; the first step says so and how to avoid it."""
     fabric, _, _, state = resumable_run(batches(3), 0, MPTPrecision("fp16", scaler=scaler()))
     fabric.save(tmp_path / "ckpt.pt", state)
-    with pytest.warns(UserWarning, match=r"adopt\(optimizer\)"):
-        resumable_run(batches(1), 0, MPTPrecision("fp16", scaler=scaler()), tmp_path / "ckpt.pt", adopt=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        resumable_run(batches(1), 0, MPTPrecision("fp16", scaler=scaler()), tmp_path / "ckpt.pt", adopt=True)
+    with pytest.warns(UserWarning, match=r"put the model before the optimizer.*adopt\(optimizer\)"):
+        resumable_run(
+            batches(1), 0, MPTPrecision("fp16", scaler=scaler()), tmp_path / "ckpt.pt", together=False,
+            order=ORDERS["optimizer-first"],
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- after training
