@@ -1,7 +1,7 @@
 """A 2-process CPU (gloo) Fabric loop for tests/test_fabric.py; each rank writes what it saw to ``OUT/rank<r>.json``.
 
 usage: python fabric_ddp_worker.py OUT [--inject-step K] [--inject-rank R] [--accumulate N] [--steps S]
-       [--accumulate-fp32]
+       [--accumulate-fp32] [--resume-and-marked]
 
 ``Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[MPTPrecision("fp16")])``. The ranks start from
 different weights on purpose (DDP makes the half weights equal, the plugin the masters) and see different data.
@@ -11,6 +11,12 @@ step ran at, whether it was skipped, the culprits, a SHA-1 of its fp32 masters, 
 optimizer state, and the bytes its DDP communication hook all-reduced. ``--accumulate-fp32``: the plugin sums the
 micro-batches in fp32 and each backward gets ``model=model``; the first one is tried without it first, and the error
 is written to ``OUT/error-without-model-rank<r>.txt``.
+
+``--resume-and-marked`` runs another scenario (``OUT/resume-rank<r>.json``): 6 steps straight with
+``fabric.setup(model, optimizer)``, saving at step 3; then the plugin restores that model, a fresh model (other
+weights) is set up with ``fabric.setup_module`` and an optimizer made after it with ``fabric.setup_optimizers``,
+``fabric.load`` restores the state (no other call) and steps 3-5 run again. Then a method marked with
+``mark_forward_method`` runs, once unmarked first (its error is recorded).
 """
 
 import argparse
@@ -19,6 +25,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +43,81 @@ def sha1(tensors: list[torch.Tensor]) -> str:
     return hashlib.sha1(flat.numpy().tobytes(), usedforsecurity=False).hexdigest()
 
 
+class Net(nn.Sequential):
+    """The workers' model, with a method besides ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))  # no norm layer: every parameter is half
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self[1](self[0](x))
+
+
+def resume_and_marked(fabric: L.Fabric, mpt: MPTPrecision, out: Path) -> None:
+    rank = fabric.global_rank
+    g = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(6)]
+    path = out / "ckpt.pt"
+
+    def run(model, optimizer, steps):
+        seen = []
+        for x, y in steps:
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(sha1(mpt.main_params(optimizer)))
+        return seen
+
+    torch.manual_seed(1000 + rank)
+    net = Net()
+    model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+    straight = run(model, optimizer, data[:3])
+    fabric.save(path, {"model": model, "optimizer": optimizer, "mpt": mpt})
+    straight += run(model, optimizer, data[3:])
+    mpt.restore()
+
+    torch.manual_seed(2000 + rank)  # other weights: everything must come from the checkpoint
+    model = fabric.setup_module(Net())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(path, {"model": model, "optimizer": optimizer, "mpt": mpt})
+        resumed = run(model, optimizer, data[3:])
+    state_dtypes = sorted({str(v.dtype) for st in optimizer.state.values() for v in st.values() if v.ndim > 0})
+
+    x = data[0][0]
+    try:
+        with torch.no_grad():
+            model.encode(x)
+        unmarked = "no error"
+    except RuntimeError as err:
+        unmarked = str(err)
+    model.mark_forward_method("encode")
+    inner = []
+    model.module[0].register_forward_hook(lambda m, i, o: inner.append(str(o.dtype)))
+    with torch.no_grad():
+        encoded = model.encode(x)
+        first = model.module[0]  # the reference: the half-precision matmul autocast runs, by hand
+        expected = nn.functional.linear(x.half(), first.weight, first.bias).relu().float()
+    result = {
+        "straight": straight,
+        "resumed": resumed,
+        "warnings": [str(w.message) for w in caught if "MPTPrecision" in str(w.message)],
+        "state_dtypes": state_dtypes,
+        "unmarked": unmarked,
+        "inner_dtypes": inner,
+        "encoded_dtype": str(encoded.dtype),
+        "encoded_equal": bool(torch.equal(encoded, expected)),
+    }
+    write(out / f"resume-rank{rank}.json", result)
+
+
+def write(path: Path, data: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # atomic: the test never reads a half-written file
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -44,15 +126,19 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--accumulate-fp32", action="store_true")
+    p.add_argument("--resume-and-marked", action="store_true")
     args = p.parse_args()
 
     torch.set_num_threads(1)
     mpt = MPTPrecision("fp16", accumulate_fp32=args.accumulate_fp32)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[mpt])
     fabric.launch()
+    if args.resume_and_marked:
+        resume_and_marked(fabric, mpt, args.out)
+        return
     rank = fabric.global_rank
     torch.manual_seed(1000 + rank)  # different initial weights per rank
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))  # no norm layer: every parameter is half
+    model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, optimizer = fabric.setup(model, optimizer)
 
@@ -102,10 +188,7 @@ def main() -> None:
             "loss_scale_after": mpt.loss_scale,
         })
         communicated[0] = 0
-    path = args.out / f"rank{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rows))
-    os.replace(tmp, path)  # atomic: the test never reads a half-written file
+    write(args.out / f"rank{rank}.json", rows)
 
 
 if __name__ == "__main__":

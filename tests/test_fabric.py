@@ -422,6 +422,31 @@ def test_ddp_an_inf_on_one_rank_skips_the_step_on_both(tmp_path):
     ] * 6  # half gradients, all-reduced once per step (no_backward_sync)
 
 
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_ddp_resume_needs_no_extra_call_and_a_marked_method_runs_under_autocast(tmp_path):
+    """2 processes: a fresh model set up with ``setup_module``, an optimizer made after it, ``fabric.load`` in the
+    natural order, and the resumed steps equal the straight run bitwise on both ranks; a marked method runs through DDP
+    and the plugin's autocast (an fp16 matmul, equal to the one done by hand)."""
+    out = tmp_path / "ddp"
+    out.mkdir()
+    ranks = [out / "resume-rank0.json", out / "resume-rank1.json"]
+    code = run_until_written([sys.executable, str(WORKER), str(out), "--resume-and-marked"], ranks, out / "log.txt")
+    if not all(r.exists() for r in ranks):
+        pytest.fail(f"workers did not finish (exit {code}):\n{(out / 'log.txt').read_text()[-3000:]}")
+    rank0, rank1 = (json.loads(r.read_text()) for r in ranks)
+    for rank in (rank0, rank1):
+        assert rank["resumed"] == rank["straight"][3:]
+        assert rank["warnings"] == []
+        assert rank["state_dtypes"] == ["torch.float32"]
+        assert "must have the same dtype" in rank["unmarked"]  # unmarked: outside autocast, as before and on one device
+        assert rank["inner_dtypes"] == ["torch.float16"]
+        assert rank["encoded_dtype"] == "torch.float32"
+        assert rank["encoded_equal"]
+    assert rank0["straight"] == rank1["straight"]  # DDP: the same masters on both ranks
+    assert len(set(rank0["straight"])) == 6  # it trained
+
+
 @pytest.mark.skipif(not _compat.GRAD_DTYPE, reason="accumulate_fp32 needs torch >= 2.13 (Tensor.grad_dtype)")
 def test_ddp_accumulate_fp32_reduces_half_gradients_once_per_step(tmp_path):
     """Under ``no_backward_sync`` the micro-batches sum in fp32; the synchronising backward (the plugin sees it through
