@@ -179,6 +179,26 @@ def test_dashboard_written_once_per_run_across_fits(tmp_path):
     assert not any("fraction" in c.title for c in layout.category[0].chart)  # only the monitors present
 
 
+def test_every_tensorboard_logger_gets_the_tags_and_one_layout(tmp_path):
+    """``Trainer(logger=[TensorBoardLogger(a), TensorBoardLogger(b)])``: both runs hold the same scalars, histograms
+    and records, and one dashboard layout each."""
+    loggers = [TensorBoardLogger(str(tmp_path / name), name="", version=0) for name in ("a", "b")]
+    monitors = [LossScaleMonitor(), GradientHistogramMonitor(every_n_steps=1), UnderflowMonitor(every_n_steps=1)]
+    plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**20))  # overflows: skip records too
+    trainer = quiet_trainer(plugins=[plugin], callbacks=monitors, logger=loggers, max_steps=4)
+    trainer.fit(TinyMLP(), regression_data())
+    a, b = (read_events(lg.log_dir) for lg in loggers)
+    assert "mpt/loss_scale" in a.Tags()["scalars"]
+    assert a.Tags()["scalars"] == b.Tags()["scalars"]
+    for tag in a.Tags()["scalars"]:
+        assert series(a, tag) == series(b, tag), tag
+    assert a.Tags()["histograms"]
+    assert a.Tags()["histograms"] == b.Tags()["histograms"]
+    assert records(a, "mpt/data/skipped_step") == records(b, "mpt/data/skipped_step")
+    assert records(a, "mpt/data/run") == records(b, "mpt/data/run")
+    assert len(layouts(a)) == len(layouts(b)) == 1
+
+
 # ---------------------------------------------------------------------- the fp32 reference: same batch, no trace
 class Dropper(L.LightningModule):
     """Dropout, BatchNorm, a torchmetrics metric, self.log calls and a record of the random draws of each call."""

@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -35,11 +34,9 @@ from lightning_mpt.callbacks.statistics import Recorder, Shards, Statistic, desc
 
 
 def sink_for_trainer(trainer: pl.Trainer) -> Sink:
-    """The trainer's TensorBoard ``SummaryWriter`` on global rank 0 (else its other loggers), nothing elsewhere."""
-    if not trainer.is_global_zero:
-        return Sink()
-    tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-    return Sink(tb.experiment) if tb is not None else Sink(loggers=trainer.loggers)
+    """On global rank 0 the trainer's TensorBoard ``SummaryWriter`` s, every one (else its other loggers); nothing
+    elsewhere."""
+    return Sink.for_loggers(trainer.loggers) if trainer.is_global_zero else Sink()
 
 
 def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:

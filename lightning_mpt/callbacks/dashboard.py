@@ -1,8 +1,9 @@
 """The "Mixed precision" custom-scalars dashboard: its charts, and the layout TensorBoard's Custom Scalars tab reads.
 
-The layout is written once per run (per ``SummaryWriter``) with ``SummaryWriter.add_custom_scalars``, by the
-group of monitors of a Trainer (see :mod:`lightning_mpt.callbacks._common`); it holds the charts of the monitors
-present. The tag names are those of :mod:`lightning_mpt.tags`.
+The layout is written once per run (per ``SummaryWriter``: with several TensorBoard loggers, once in each one's
+directory) with ``SummaryWriter.add_custom_scalars``, by the group of monitors of a Trainer (see
+:mod:`lightning_mpt.callbacks._common`); it holds the charts of the monitors present. The tag names are those of
+:mod:`lightning_mpt.tags`.
 
 Example:
     ```python

@@ -1,5 +1,6 @@
 """``Sink``: where the diagnostics write. No Lightning ``Trainer`` involved: a Trainer callback, a Fabric loop or a
-plain script hands it a TensorBoard ``SummaryWriter`` and/or loggers.
+plain script hands it TensorBoard ``SummaryWriter`` s and/or loggers (:meth:`Sink.for_loggers` picks them from a
+list of Lightning loggers).
 
 Example:
     ```python
@@ -36,30 +37,61 @@ _LAYOUT_WRITTEN: WeakSet[Any] = WeakSet()
 
 
 class Sink:
-    """Writes scalars, histograms, texts and records to a TensorBoard ``SummaryWriter``, and scalars to loggers.
+    """Writes scalars, histograms, texts and records to TensorBoard ``SummaryWriter`` s, and scalars to loggers.
 
     Args:
-        summary_writer: a ``torch.utils.tensorboard.SummaryWriter`` (``TensorBoardLogger.experiment``), or ``None``.
+        summary_writer: a ``torch.utils.tensorboard.SummaryWriter`` (``TensorBoardLogger.experiment``), a sequence
+            of them (each gets everything), or ``None``.
         loggers: objects with ``log_metrics(metrics: dict, step: int)`` (Lightning loggers: CSV, W&B, ...) that get
             the scalars; histograms, texts and records need TensorBoard and are dropped for them.
 
     A sink without either is inactive (``active`` is ``False``): the monitors then skip their work. Each call of
-    :meth:`scalars` writes its values as **one** TensorBoard event.
+    :meth:`scalars` writes its values as **one** TensorBoard event per writer.
     """
 
     def __init__(self, summary_writer: Any = None, loggers: Sequence[Any] = ()) -> None:
-        self.writer = summary_writer
+        found = summary_writer if isinstance(summary_writer, (list, tuple)) else [summary_writer]
+        self.writers: list[Any] = []
+        for writer in found:  # a writer given twice writes once
+            if writer is not None and all(writer is not w for w in self.writers):
+                self.writers.append(writer)
         self.loggers = list(loggers)
+
+    @classmethod
+    def for_loggers(cls, loggers: Sequence[Any]) -> Sink:
+        """The sink of a list of Lightning loggers (``trainer.loggers``, ``fabric.loggers``): every
+        ``TensorBoardLogger`` gets everything; without one, the other loggers get the scalars.
+
+        Example:
+            ```python
+            import tempfile
+
+            from lightning.pytorch.loggers import TensorBoardLogger
+            from lightning_mpt.callbacks.sink import Sink
+
+            boards = [TensorBoardLogger(tempfile.mkdtemp()), TensorBoardLogger(tempfile.mkdtemp())]
+            assert Sink.for_loggers(boards).writers == [b.experiment for b in boards]
+            ```
+        """
+        from lightning.fabric.loggers.tensorboard import TensorBoardLogger  # the Trainer's subclasses it
+
+        boards = [lg.experiment for lg in loggers if isinstance(lg, TensorBoardLogger)]
+        return cls(boards) if boards else cls(loggers=loggers)
+
+    @property
+    def writer(self) -> Any:
+        """The first TensorBoard ``SummaryWriter``, ``None`` without one."""
+        return self.writers[0] if self.writers else None
 
     @property
     def active(self) -> bool:
-        return self.writer is not None or bool(self.loggers)
+        return bool(self.writers) or bool(self.loggers)
 
     def flush(self) -> None:
-        """Write what the TensorBoard writer still buffers to disk (it flushes on a timer otherwise), so that a
+        """Write what the TensorBoard writers still buffer to disk (they flush on a timer otherwise), so that a
         process that dies afterwards (gloo's abort at exit, a kill) loses no event; other loggers save."""
-        if self.writer is not None:
-            self.writer.flush()
+        for writer in self.writers:
+            writer.flush()
         for logger in self.loggers:
             save = getattr(logger, "save", None)
             if callable(save):
@@ -70,27 +102,28 @@ class Sink:
         values = {k: float(v) for k, v in values.items() if v is not None}
         if not values:
             return
-        if self.writer is not None:
+        if self.writers:
             summary = Summary(value=[Summary.Value(tag=tag, simple_value=v) for tag, v in values.items()])
-            event_file_writer(self.writer).add_summary(summary, step)
+            for writer in self.writers:
+                event_file_writer(writer).add_summary(summary, step)
         for logger in self.loggers:
             logger.log_metrics(values, step)
 
     def histogram_raw(self, tag: str, step: int, **kwargs: Any) -> None:
         """``SummaryWriter.add_histogram_raw(tag, global_step=step, **kwargs)`` (TensorBoard only)."""
-        if self.writer is not None:
-            self.writer.add_histogram_raw(tag, global_step=step, **kwargs)
+        for writer in self.writers:
+            writer.add_histogram_raw(tag, global_step=step, **kwargs)
 
     def text(self, tag: str, text: str, step: int) -> None:
         """A Markdown text for TensorBoard's Text tab (TensorBoard only; stored as ``tag + tags.TEXT_SUFFIX``)."""
-        if self.writer is not None:
-            self.writer.add_text(tag, text, step)
+        for writer in self.writers:
+            writer.add_text(tag, text, step)
 
     def record(self, tag: str, data: dict[str, Any], step: int) -> None:
         """A record for programs: ``data`` as JSON (with ``"schema"`` added) in a string tensor summary of the
         plugin :data:`lightning_mpt.tags.PLUGIN_NAME` (TensorBoard only). Read back with
         ``EventAccumulator.Tensors(tag)``; see :func:`decode_record`."""
-        if self.writer is None:
+        if not self.writers:
             return
         payload = json.dumps({"schema": tags.RECORD_SCHEMA, **data}, allow_nan=False).encode()
         metadata = SummaryMetadata(
@@ -99,19 +132,24 @@ class Sink:
         )
         tensor = TensorProto(dtype="DT_STRING", string_val=[payload], tensor_shape=TensorShapeProto())
         summary = Summary(value=[Summary.Value(tag=tag, tensor=tensor, metadata=metadata)])
-        event_file_writer(self.writer).add_summary(summary, step)
+        for writer in self.writers:
+            event_file_writer(writer).add_summary(summary, step)
 
     def layout(self, charts: Optional[Iterable[str]] = None) -> bool:
-        """Write the "Mixed precision" custom-scalars layout with ``charts`` unless this writer holds one already;
+        """Write the "Mixed precision" custom-scalars layout with ``charts`` to each writer that holds none yet;
         return whether it wrote (see :mod:`lightning_mpt.callbacks.dashboard`)."""
         from lightning_mpt.callbacks.dashboard import layout_dict
 
         charts = None if charts is None else list(charts)
-        if self.writer is None or self.writer in _LAYOUT_WRITTEN or charts == []:
+        if charts == []:
             return False
-        self.writer.add_custom_scalars(layout_dict(charts))
-        _LAYOUT_WRITTEN.add(self.writer)
-        return True
+        wrote = False
+        for writer in self.writers:
+            if writer not in _LAYOUT_WRITTEN:
+                writer.add_custom_scalars(layout_dict(charts))
+                _LAYOUT_WRITTEN.add(writer)
+                wrote = True
+        return wrote
 
 
 def decode_record(tensor_proto: Any) -> dict[str, Any]:
