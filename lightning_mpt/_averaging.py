@@ -29,10 +29,11 @@ __all__ = ["Adapted", "MasterView", "adapt"]
 
 # StochasticWeightAveraging reads and writes the module through these two public static methods
 _SWA_METHODS = ("update_parameters", "transfer_weights")
-# WeightAveraging's hooks that update the average from the module ...
+# WeightAveraging's hooks that update the average from the module, that swap the two around validation, and that copy
+# the average into the module at the end of fit
 _WA_READS = ("on_train_batch_end", "on_train_epoch_end")
-# ... and those that write into the module (the swaps around validation, the copy at the end of fit)
-_WA_WRITES = ("on_validation_epoch_start", "on_validation_epoch_end", "on_train_end")
+_WA_SWAPS = ("on_validation_epoch_start", "on_validation_epoch_end")
+_WA_HOOKS = (*_WA_READS, *_WA_SWAPS, "on_train_end")
 
 
 @dataclass
@@ -107,21 +108,24 @@ def _adapt_swa(callback: Any, masters: Masters) -> Adapted:
 
 def _adapt_weight_averaging(callback: Any, base: type, masters: Masters) -> Adapted:
     # the hooks hand the view on to these helpers: an override of them would receive the view, not the module
-    overridden = _overridden(callback, base, _WA_READS + _WA_WRITES + _compat.WEIGHT_AVERAGING_HELPERS)
+    overridden = _overridden(callback, base, _WA_HOOKS + _compat.WEIGHT_AVERAGING_HELPERS)
     if overridden:
         _warn_overridden(callback, overridden, f"Customize {base.__name__} through `should_update`")
         return Adapted(callback, ())
-    for name in _WA_READS + _WA_WRITES:
-        setattr(callback, name, _hook_on_masters(callback, getattr(base, name), masters, writes=name in _WA_WRITES))
-    return Adapted(callback, _WA_READS + _WA_WRITES)
+    for name in _WA_HOOKS:
+        setattr(callback, name, _hook_on_masters(callback, getattr(base, name), masters, name))
+    return Adapted(callback, _WA_HOOKS)
 
 
-def _hook_on_masters(callback: Any, hook: Callable[..., None], masters: Masters, writes: bool) -> Callable[..., None]:
+def _hook_on_masters(callback: Any, hook: Callable[..., None], masters: Masters, name: str) -> Callable[..., None]:
     """``hook`` of ``callback`` run on a view of the masters in place of the LightningModule."""
+    swaps, writes = name in _WA_SWAPS, name not in _WA_READS
 
     def on_masters(trainer: Any, pl_module: Module, *args: Any, **kwargs: Any) -> None:
-        if writes and isinstance(masters, MasterWeights):
-            masters.adopt_all_edits()  # an in-place edit of the half weights since the last step must not be lost
+        if swaps and isinstance(masters, MasterWeights):
+            # an in-place edit of the half weights since the last step (or during validation) goes into the masters,
+            # where the swap moves it, rather than being overwritten by the refresh below
+            masters.adopt_all_edits()
         hook(callback, trainer, MasterView(pl_module, masters), *args, **kwargs)
         if writes:
             masters.refresh()
