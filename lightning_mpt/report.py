@@ -3,7 +3,9 @@ was lost: the logic behind ``lightning-mpt report``, usable from Python.
 
 The event files are read with TensorBoard's own reader (``EventMultiplexer``, every scalar kept). Every directory
 under the log directory that holds event files is a run; runs without ``mpt/`` tags are listed in
-:attr:`Report.ignored`. All steps are optimizer steps, counted from 0 with skipped steps included (the x axis of
+:attr:`Report.ignored`. TensorBoard's reader stops quietly at a damaged record: each event file's framing is checked
+first (:func:`check_event_file`), and a truncated or corrupt file is named in :attr:`Report.unreadable` with what is
+wrong with it. All steps are optimizer steps, counted from 0 with skipped steps included (the x axis of
 the monitors). The names of the parameters with inf/NaN gradients, whether the loss was finite and a stop by
 ``MPTPrecision``'s guard come from the monitors' **records** (JSON in tensor summaries under ``mpt/data/``, see
 :mod:`lightning_mpt.tags`), never from the Markdown texts meant for people. Every tag name comes from
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import struct
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +36,7 @@ from typing import Any, Optional, Union
 
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
 from lightning_mpt import tags
 from lightning_mpt.callbacks.sink import decode_record
@@ -48,6 +52,7 @@ __all__ = [
     "RunSummary",
     "Stats",
     "build_report",
+    "check_event_file",
     "decode_exponent_histogram",
     "format_scale",
     "format_text",
@@ -194,7 +199,8 @@ class Report:
     logdir: str
     runs: list[RunSummary]
     data: list[RunData] = field(repr=False)
-    ignored: list[str]  # runs with event files but no mpt/ tags
+    ignored: list[str]  # runs with readable event files but no mpt/ tags
+    unreadable: dict[str, str] = field(default_factory=dict)  # event file (relative path) -> what is wrong with it
 
     def to_dict(self) -> dict[str, Any]:
         """The summaries as plain data (what ``--json`` prints); non-finite numbers become ``None``."""
@@ -202,6 +208,7 @@ class Report:
             "logdir": self.logdir,
             "runs": [asdict(r) for r in self.runs],
             "ignored": self.ignored,
+            "unreadable": self.unreadable,
         })
         return data
 
@@ -256,6 +263,75 @@ def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
         else:
             ignored.append(name)
     return runs, ignored
+
+
+_FRAME = struct.Struct("<QI")  # a record's length and the masked CRC-32C of those 8 bytes; then data, its CRC
+
+
+def check_event_file(path: Union[str, Path]) -> Optional[str]:
+    """What is wrong with the TensorBoard event file ``path``; ``None`` when each of its records is whole.
+
+    An event file is a sequence of records, each an 8-byte length, the checksum of that length, the serialized event
+    and the event's checksum (TensorBoard's TFRecord framing). TensorBoard's reader stops quietly at the first record
+    it cannot read; this walks the frames (each length and its checksum, not the events' own checksums, which the
+    reader checks) and says where the file is cut short or stops being an event file.
+
+    Example:
+        ```python
+        import tempfile
+        from pathlib import Path
+
+        path = Path(tempfile.mkdtemp(), "events.out.tfevents.0.host")
+        path.write_bytes(b"not an event file")
+        assert check_event_file(path).startswith("not a TensorBoard event file")
+        ```
+    """
+    return _check_frames(Path(path))[0]
+
+
+def _check_frames(path: Path) -> tuple[Optional[str], int]:
+    """:func:`check_event_file`'s answer and the number of whole records before the first damaged one."""
+    size = path.stat().st_size
+    offset = index = 0
+    with open(path, "rb") as f:
+        while offset < size:
+            frame = f.read(_FRAME.size)
+            length, checksum = _FRAME.unpack(frame) if len(frame) == _FRAME.size else (0, None)
+            if checksum is not None and masked_crc32c(frame[:8]) != checksum:
+                if index == 0:
+                    return (
+                        "not a TensorBoard event file: its first record's length checksum does not match (another "
+                        "kind of file, or its first bytes are damaged); nothing in it can be read"
+                    ), 0
+                return (
+                    f"corrupt at byte {offset}: the length checksum of record {index + 1} does not match; only the "
+                    f"{index} records before it are read"
+                ), index
+            end = offset + _FRAME.size + length + 4
+            if checksum is None or end > size:
+                read = f"only the {index} whole records before it are read" if index else "nothing in it can be read"
+                return (
+                    f"truncated: it ends at byte {size}, inside record {index + 1} (from byte {offset}); the writing "
+                    f"process stopped mid-record, or the file was cut short; {read}"
+                ), index
+            f.seek(end)
+            offset, index = end, index + 1
+    return None, index
+
+
+def _unreadable(root: Path, runs: list[str]) -> tuple[dict[str, str], set[str]]:
+    """The event files of ``runs`` that are truncated or corrupt, ``{path relative to root: what is wrong}``, and the
+    runs of which nothing can be read (every event file damaged in its first record)."""
+    found, lost = {}, set()
+    for run in runs:
+        files = sorted(f for f in (root / run).iterdir() if "tfevents" in f.name and f.is_file())
+        checked = {f: _check_frames(f) for f in files}
+        for f, (what, _) in checked.items():
+            if what is not None:
+                found[str(f.relative_to(root))] = what
+        if files and all(what is not None and whole == 0 for what, whole in checked.values()):
+            lost.add(run)
+    return dict(sorted(found.items())), lost
 
 
 def _read_run(name: str, path: Path, acc: event_accumulator.EventAccumulator) -> RunData:
@@ -416,22 +492,30 @@ def _format_from_marks(run: RunData) -> Optional[str]:
 def build_report(logdir: Union[str, Path]) -> Report:
     """Read and summarise every run under ``logdir``.
 
-    Raises :class:`ReportError` for a missing directory, one without event files, and runs without ``mpt/`` tags.
+    Raises :class:`ReportError` for a missing directory, one without event files, and runs without ``mpt/`` tags
+    (naming the event files that are truncated or corrupt, and what is wrong with each).
 
     Example:
         ```python
         report = build_report("runs")
         worst = {r.run: r.worst_underflow[0].name for r in report.runs if r.worst_underflow}
+        print(report.unreadable)  # {"version_1/events.out.tfevents...": "truncated: it ends at byte ..."}
         ```
     """
     data, ignored = load_runs(logdir)
+    unreadable, lost = _unreadable(Path(logdir), [d.name for d in data] + ignored)
+    ignored = [name for name in ignored if name not in lost]  # named with their files below, not as "no mpt/ tags"
     if not data:
+        damaged = "".join(f"\n  {path}: {what}" for path, what in unreadable.items())
+        without = f"no {PREFIX} tags in the event files of {', '.join(ignored)}" if ignored else ""
         raise ReportError(
-            f"{logdir}: no {PREFIX} tags in the event files of {', '.join(ignored)}; expected a run trained "
-            "with lightning_mpt's callbacks (LossScaleMonitor, UnderflowMonitor, "
+            f"{logdir}: nothing to report: "
+            + (f"{without}; " if without else "")
+            + (f"unreadable event files:{damaged}\n" if damaged else "")
+            + "expected a run trained with lightning_mpt's callbacks (LossScaleMonitor, UnderflowMonitor, "
             "GradientHistogramMonitor) and a TensorBoardLogger."
         )
-    return Report(str(logdir), [summarize(r) for r in data], data, ignored)
+    return Report(str(logdir), [summarize(r) for r in data], data, ignored, unreadable)
 
 
 # ---------------------------------------------------------------------------------------------------- the text
@@ -499,6 +583,9 @@ def format_text(report: Report, top: int = 5) -> str:
         )
     if report.ignored:
         lines += ["", f"no {PREFIX} tags, not reported: {', '.join(report.ignored)}"]
+    if report.unreadable:
+        lines += ["", "unreadable event files (what could not be read is not in this report):"]
+        lines += [f"  {path}: {what}" for path, what in report.unreadable.items()]
     return "\n".join(lines)
 
 

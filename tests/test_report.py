@@ -293,6 +293,54 @@ def test_runs_without_mpt_tags_are_named(runs: Runs, tmp_path: Path) -> None:
     assert format_text(report).endswith("no mpt/ tags, not reported: plain")
 
 
+def event_file(run: Path) -> Path:
+    (path,) = run.glob("events.out.tfevents.*")
+    return path
+
+
+def test_a_truncated_event_file_is_named_with_what_is_wrong_and_the_rest_reported(runs: Runs, tmp_path: Path) -> None:
+    shutil.copytree(runs.root / "a", tmp_path / "a")
+    path = event_file(tmp_path / "a" / "version_0")
+    data = path.read_bytes()
+    path.write_bytes(data[:-5])  # inside the last record: its event's last byte and checksum are gone
+    report = build_report(tmp_path)
+    assert [r.run for r in report.runs] == ["a/version_0"]  # the whole records before it are read
+    (what,) = report.unreadable.values()
+    assert list(report.unreadable) == [str(path.relative_to(tmp_path))]
+    assert what.startswith(f"truncated: it ends at byte {len(data) - 5}, inside record ")
+    assert "the file was cut short; only the " in what
+    assert f"  {path.relative_to(tmp_path)}: truncated: it ends at byte" in format_text(report)
+    assert report.to_dict()["unreadable"] == report.unreadable
+
+
+def test_a_file_that_is_no_event_file_is_named_not_taken_for_a_run_without_tags(runs: Runs, tmp_path: Path) -> None:
+    shutil.copytree(runs.root / "a", tmp_path / "a")
+    (tmp_path / "broken").mkdir()
+    garbage = tmp_path / "broken" / "events.out.tfevents.1700000000.host.1.0"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "a" / "version_0" / "events.out.tfevents.0.host").write_bytes(b"")  # an empty file is whole
+    report = build_report(tmp_path)
+    assert [r.run for r in report.runs] == ["a/version_0"]
+    assert report.ignored == []  # not "no mpt/ tags": it could not be read at all
+    assert report.unreadable == {
+        "broken/events.out.tfevents.1700000000.host.1.0": "not a TensorBoard event file: its first record's length "
+        "checksum does not match (another kind of file, or its first bytes are damaged); nothing in it can be read"
+    }
+
+
+def test_only_damaged_event_files_are_an_error_naming_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "events.out.tfevents.1.host").write_bytes(b"\x00" * 5)
+    assert main(["report", str(tmp_path)]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith(f"lightning-mpt report: error: {tmp_path}: nothing to report: unreadable event files:\n")
+    assert (
+        "  x/events.out.tfevents.1.host: truncated: it ends at byte 5, inside record 1 (from byte 0); the writing "
+        "process stopped mid-record, or the file was cut short; nothing in it can be read"
+    ) in error
+    assert "no mpt/ tags" not in error
+
+
 @pytest.mark.parametrize(
     ("layout", "expected"),
     [
