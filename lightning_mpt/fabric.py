@@ -331,7 +331,7 @@ class MPTPrecision(EngineAttributes, Precision):
             self._params = set(self._module.parameters())
         params = list(self._module.parameters())
         if any(p not in self._params for p in params):
-            raise ValueError(_replaced(self._module, self._dtype))
+            raise ValueError(_replaced(self._forward or self._module, self._dtype))  # what the strategy got
         self._engine.masters.follow_devices()
         if params:
             self.device = params[0].device.type
