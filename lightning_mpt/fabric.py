@@ -106,8 +106,8 @@ class MPTPrecision(EngineAttributes, Precision):
         scaler: ``None`` for the default (a :class:`~lightning_mpt.DynamicLossScaler` for fp16, no scaling for bf16),
             a :class:`~lightning_mpt.DynamicLossScaler`, or a number for a static scale.
         master_weights: keep fp32 masters. ``False`` steps the half weights directly (same scaler).
-        keep_fp32: module types whose parameters and buffers stay fp32 (all norm layers by default); a class or a
-            tuple of classes.
+        keep_fp32: module types whose parameters and buffers stay fp32 (by default all norm layers and
+            ``ParametrizationList``, the parametrized tensors); a class or a tuple of classes.
         max_consecutive_skips: raise :class:`~lightning_mpt.NonFiniteGradientError` after this many skipped steps in
             a row of one optimizer.
         accumulate_fp32: with gradient accumulation, sum the micro-batches' gradients in fp32 rather than in the half
@@ -245,7 +245,7 @@ class MPTPrecision(EngineAttributes, Precision):
     @contextmanager
     def _forward_context(self) -> Generator[None, None, None]:
         self._ensure_ready()
-        self._engine.masters.release_stepped(drop_module_grads=False)  # the last step's fp32 grads are not needed now
+        self._engine.release_gradients(drop=False)  # the last step's fp32 gradients are not needed past this point
         with torch.autocast(self.device, dtype=self._dtype, cache_enabled=False):
             yield
 
