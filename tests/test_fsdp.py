@@ -113,7 +113,8 @@ def test_fp16_dynamic_scale_matches_ddp_and_lightning(training):
 
 def test_gradient_accumulation_decides_once_per_optimizer_step(training):
     """2 micro-batches per step. FSDP2 reduce-scatters each micro-batch and accumulates the fp32 shards, where DDP
-    accumulates the half gradients and all-reduces once: FSDP2 may overflow less often, never more."""
+    accumulates the half gradients and all-reduces once: other arithmetic, so the two agree while their weights are
+    equal (the first steps, all skipped), and afterwards each run's scale follows its own skips."""
     for rank in (0, 1):
         fsdp, ddp = rows(training, "mlp-fsdp-accum", rank), rows(training, "mlp-ddp-accum", rank)
         assert len(fsdp) == len(ddp) == 6  # 12 micro-batches, 6 optimizer steps
@@ -122,7 +123,6 @@ def test_gradient_accumulation_decides_once_per_optimizer_step(training):
         keys = ("step", "batch", "scale", "skipped", "skipped_steps", "loss")
         # the first 3 steps change no weight: step 4's loss is the initial weights' on the same batch, bitwise
         assert [[r[k] for k in keys] for r in fsdp[:4]] == [[r[k] for k in keys] for r in ddp[:4]]
-        assert all(d["skipped"] for f, d in zip(fsdp, ddp) if f["skipped"])
         for a, b in zip(fsdp, fsdp[1:]):
             assert b["scale"] == (a["scale"] / 2 if a["skipped"] else a["scale"])  # growth_interval 4 not reached
 
