@@ -50,7 +50,6 @@ from typing import Any, Literal, Optional
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.loggers.tensorboard import TensorBoardLogger
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor, nn
 
@@ -85,11 +84,9 @@ __all__ = ["MixedPrecisionLogger"]
 
 
 def sink_for_fabric(fabric: Fabric) -> Sink:
-    """Fabric's TensorBoard ``SummaryWriter`` on global rank 0 (else its other loggers), nothing elsewhere."""
-    if not fabric.is_global_zero:
-        return Sink()
-    tb = next((lg for lg in fabric.loggers if isinstance(lg, TensorBoardLogger)), None)
-    return Sink(tb.experiment) if tb is not None else Sink(loggers=fabric.loggers)
+    """Every TensorBoard ``SummaryWriter`` of Fabric's loggers on global rank 0 (else its other loggers), nothing
+    elsewhere."""
+    return Sink.for_loggers(fabric.loggers) if fabric.is_global_zero else Sink()
 
 
 class MixedPrecisionLogger:

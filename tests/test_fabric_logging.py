@@ -352,3 +352,31 @@ def test_fabric_ddp_rank_zero_writes_and_the_reference_is_summed_across_ranks(tm
     assert 0 < flush[4] < 1
     assert [[e.step, e.value] for e in ea.Scalars(tags.LOSS_SCALE)] == r0["history"]
     assert tags.per_parameter(tags.GRAD_EXPONENT, "0.weight") in ea.Tags()["histograms"]
+
+
+def test_every_tensorboard_logger_of_fabric_gets_the_tags_and_one_layout(tmp_path):
+    """``Fabric(loggers=[TensorBoardLogger(a), TensorBoardLogger(b)])``: both runs hold the same scalars, histograms
+    and records, and one dashboard layout each (only the first got them before)."""
+    loggers = [FabricTensorBoardLogger(str(tmp_path), name=name, version=0) for name in ("a", "b")]
+    fabric = L.Fabric(
+        accelerator="cpu", devices=1, plugins=[FabricMPTPrecision("fp16", scaler=scaler())], loggers=loggers
+    )
+    model = Net()
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    diagnostics = MixedPrecisionLogger(fabric, model, every_n_steps=1, histograms_every_n_steps=1)
+    for x, y in batches()[:4]:
+        fabric.backward(compute_loss(model, x, y))
+        diagnostics.after_backward()
+        diagnostics.step(optimizer)
+        optimizer.zero_grad()
+    diagnostics.finalize()
+    a, b = (read_events(lg.log_dir) for lg in loggers)
+    assert "mpt/loss_scale" in a.Tags()["scalars"]
+    assert a.Tags()["scalars"] == b.Tags()["scalars"]
+    for tag in a.Tags()["scalars"]:
+        assert [(e.step, e.value) for e in a.Scalars(tag)] == [(e.step, e.value) for e in b.Scalars(tag)], tag
+    assert a.Tags()["histograms"]
+    assert a.Tags()["histograms"] == b.Tags()["histograms"]
+    assert records(a, tags.RUN_RECORD) == records(b, tags.RUN_RECORD)
+    assert len(layouts(a)) == len(layouts(b)) == 1
+    fabric.strategy.precision.restore()
