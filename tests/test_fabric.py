@@ -92,7 +92,16 @@ def replay(
     return [p.detach() for p in params]
 
 
+def norm_slack(grads: list[Tensor]) -> float:
+    """``1 + (n + 16) u``: a norm recomputed in another summation order than the clipping's may exceed it by this
+    factor at most (n terms summed in fp32, Higham 4.2; the square roots halve it; 16 for the products and roots)."""
+    n = sum(g.numel() for g in grads)
+    return 1 + (n + 16) * 2.0**-24
+
+
 def assert_bitwise(got: list[Tensor], want: list[Tensor]) -> None:
+    """Only for two computations in this process with the same kernels on the same inputs (replays, which are
+    elementwise; checkpoints; resumes): their order is fixed, so their bits are."""
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype == torch.float32, f"tensor {i} is {a.dtype}, {b.dtype}"
@@ -537,7 +546,7 @@ def test_clip_gradients_clips_the_unscaled_gradients_like_32_true(clip, precisio
         assert ref <= 4 * 0.1 * 1e-3 * (1 + 1e-3)
         assert [float(n) for n in norms] == pytest.approx([float(n) for n in ref_norms], rel=2e-2)  # unscaled norms
         for grads in recorder.steps:  # what the optimizer stepped is the clipped fp32 gradient
-            assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) <= 1e-3 * (1 + 1e-5)
+            assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) <= 1e-3 * norm_slack(grads)
     else:
         assert all(float(g.abs().max()) <= 1e-5 for grads in recorder.steps for g in grads)
 
@@ -574,12 +583,13 @@ def test_clip_gradients_twice_unscales_once():
         return recorder.steps, plugin.main_params(opt)
 
     plain, plain_masters = run([])
-    twice, twice_masters = run([{"max_norm": 1e6}, {"max_norm": 1e6}])  # no clipping happens: nothing may change
+    # max_norm 1e6: the clipping coefficient clamps to exactly 1.0, a multiplication that changes nothing
+    twice, twice_masters = run([{"max_norm": 1e6}, {"max_norm": 1e6}])
     assert_bitwise(twice_masters, plain_masters)
     both, _ = run([{"clip_val": 2e-3}, {"max_norm": 5e-3}])
     for grads in both:
         assert all(float(g.abs().max()) <= 2e-3 for g in grads)
-        assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) <= 5e-3 * (1 + 1e-5)
+        assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) <= 5e-3 * norm_slack(grads)
 
 
 @pytest.mark.parametrize("clip", [{"max_norm": 1.0}, {"clip_val": 1e-3}], ids=["norm", "value"])

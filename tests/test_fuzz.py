@@ -271,6 +271,7 @@ class Replay(L.Callback):
         if self.setup.clip is not None:
             algorithm, value = self.setup.clip
             if algorithm == "norm":
+                # the plugin clips with this function over the same tensors in the optimizer's order: the same sum
                 torch.nn.utils.clip_grad_norm_(copies, value)
             else:
                 torch.nn.utils.clip_grad_value_(copies, value)
@@ -279,7 +280,7 @@ class Replay(L.Callback):
     def replay_step(self, plugin: Any, optimizer: Any, replica: Any, params: list[nn.Parameter]) -> None:
         for group, replica_group in zip(optimizer.param_groups, replica.param_groups):
             replica_group["lr"] = group["lr"]
-        replica.step()
+        replica.step()  # the same torch optimizer over the same gradients: elementwise, so bitwise
         for p in params:
             assert torch.equal(plugin.master_of(p).float(), self.expected(p)), (self.setup, self.steps_checked)
         self.steps_checked += 1
