@@ -616,12 +616,12 @@ class Summary:
 
 # ================================================================================================ profile
 PLUGIN_METHODS = (  # labelled in profiles when they exist (names may change as the plugin evolves)
-    ("lightning_mpt.master", "MasterWeights", "prepare"),
-    ("lightning_mpt.master", "MasterWeights", "enter"),
-    ("lightning_mpt.master", "MasterWeights", "exit"),
-    ("lightning_mpt.master", "MasterWeights", "release_stepped"),
+    ("lightning_mpt.core.masters.copies", "MasterWeights", "prepare"),
+    ("lightning_mpt.core.masters.copies", "MasterWeights", "enter"),
+    ("lightning_mpt.core.masters.copies", "MasterWeights", "exit"),
+    ("lightning_mpt.core.masters.copies", "MasterWeights", "release_stepped"),
     ("lightning_mpt.precision", "MPTPrecision", "pre_backward"),
-    ("lightning_mpt.policy", "StepPolicy", "sync"),  # the step's one host sync
+    ("lightning_mpt.core.policy", "StepPolicy", "sync"),  # the step's one host sync
     ("torch.amp.grad_scaler", "GradScaler", "unscale_"),
     ("torch.amp.grad_scaler", "GradScaler", "update"),
 )

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpt import MPTPrecision
 from lightning_mpt.callbacks import LossScaleMonitor
-from lightning_mpt.fsdp import is_sharded
+from lightning_mpt.core.masters.sharded import is_sharded
 
 
 class Block(nn.Module):

@@ -40,8 +40,8 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils import example_parser, next_version, parse_args, print_summary
 
+from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32
 from lightning_mpt.fabric import MixedPrecisionLogger, MPTPrecision
-from lightning_mpt.master import DEFAULT_KEEP_FP32
 
 NAME = "litgpt_fabric"
 
@@ -113,7 +113,7 @@ def sharding(policy: Any) -> Any:
 def strategy_for(args: Any, plugin: Optional[MPTPrecision]) -> Any:
     if args.strategy != "fsdp":
         return "ddp" if args.devices > 1 else "auto"
-    from lightning_mpt.fsdp import mixed_precision_policy
+    from lightning_mpt.core.masters.sharded import mixed_precision_policy
 
     policy = plugin.mp_policy if plugin is not None else mixed_precision_policy(torch.bfloat16)
     return ModelParallelStrategy(sharding(policy), data_parallel_size=args.devices, tensor_parallel_size=1)

@@ -85,10 +85,9 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_mpt import MPTPrecision
 
 try:  # FSDP2 (torch >= 2.6): only for --strategy fsdp
+    from collectives import CollectiveBytes
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
-
-    from lightning_mpt.fsdp import CollectiveBytes
 except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 

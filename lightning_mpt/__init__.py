@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 from lightning_mpt._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from lightning_mpt.core.scaler import DynamicLossScaler
     from lightning_mpt.precision import MPTPrecision, NonFiniteGradientError, StepRecord
-    from lightning_mpt.scaler import DynamicLossScaler
 
 _EXPORTS = {
-    "DynamicLossScaler": "lightning_mpt.scaler",
+    "DynamicLossScaler": "lightning_mpt.core.scaler",
     "MPTPrecision": "lightning_mpt.precision",
     "NonFiniteGradientError": "lightning_mpt.precision",
     "StepRecord": "lightning_mpt.precision",

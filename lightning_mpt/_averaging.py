@@ -22,8 +22,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_mpt import _compat
-from lightning_mpt.engine import Masters
-from lightning_mpt.master import MasterWeights
+from lightning_mpt.core.engine import Masters
+from lightning_mpt.core.masters.copies import MasterWeights
 
 __all__ = ["Adapted", "MasterView", "adapt"]
 
@@ -143,7 +143,7 @@ class MasterView:
         import torch
         from torch import nn
 
-        from lightning_mpt.master import MasterWeights
+        from lightning_mpt.core.masters.copies import MasterWeights
 
         model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
         masters = MasterWeights(torch.float16)

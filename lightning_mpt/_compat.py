@@ -173,16 +173,6 @@ def fsdp_mp_policy(module: Any) -> Optional[Any]:
     return getattr(state, "_mp_policy", None) if state is not None else None
 
 
-def dispatch_mode() -> type:
-    """torch's ``TorchDispatchMode`` (``torch.utils._python_dispatch``, torch >= 1.13): the base of a mode that sees
-    every op below autograd, c10d collectives included. :class:`~lightning_mpt.fsdp.CollectiveBytes` counts the bytes
-    of FSDP's collectives with it. (The public ``CommDebugMode`` is one such mode, but it counts calls, not bytes, and
-    its module tracker fails on a LightningModule sharded with ``fully_shard``.)"""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
-
-
 @contextmanager
 def fsdp_forward_hooks_suspended(module: torch.nn.Module) -> Iterator[int]:
     """Run without the forward hooks that ``fully_shard`` (FSDP2) registered on ``module`` and its submodules; yields
@@ -197,8 +187,9 @@ def fsdp_forward_hooks_suspended(module: torch.nn.Module) -> Iterator[int]:
     ``_post_forward_hook_handle``: a ``RemovableHandle`` each, or one ``_MultiHandle`` (public attribute ``handles``)
     for a ``fully_shard([a, b])`` group; a handle's public ``id`` and ``hooks_dict_ref`` name its entry.
     Exists: both attributes in torch 2.4 through 2.13 (``FSDPState.init``; ``fully_shard`` and ``FSDPModule`` are
-    imported from their public place, torch >= 2.6, as in :mod:`lightning_mpt.fsdp`). A torch without them raises
-    ``AttributeError`` here, which turns the reference off with a warning rather than measuring FSDP's half copy.
+    imported from their public place, torch >= 2.6, as in :mod:`lightning_mpt.core.masters.sharded`). A torch without
+    them raises ``AttributeError`` here, which turns the reference off with a warning rather than measuring FSDP's half
+    copy.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 

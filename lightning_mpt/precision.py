@@ -1,9 +1,10 @@
 """``MPTPrecision``: a Lightning precision plugin with a half-precision model, fp32 master weights owned by the
 optimizer, and a configurable dynamic loss scaler.
 
-The plugin wires Lightning's hooks to three pure-torch pieces: :class:`~lightning_mpt.master.MasterWeights` (the
-fp32 copy), :class:`~lightning_mpt.policy.StepPolicy` (scale, decide, guard) and
-:class:`~lightning_mpt.scaler.DynamicLossScaler`.
+The plugin wires Lightning's hooks to three pure-torch pieces:
+:class:`~lightning_mpt.core.masters.copies.MasterWeights` (the fp32 copy),
+:class:`~lightning_mpt.core.policy.StepPolicy` (scale, decide, guard) and
+:class:`~lightning_mpt.core.scaler.DynamicLossScaler`.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _averaging, _compat
-from lightning_mpt._attributes import EngineAttributes, report_half_kept
-from lightning_mpt.engine import Masters
-from lightning_mpt.master import DEFAULT_KEEP_FP32
-from lightning_mpt.policy import NonFiniteGradientError, StepRecord
-from lightning_mpt.scaler import DynamicLossScaler
+from lightning_mpt._plugin import EngineAttributes, report_half_kept
+from lightning_mpt.core.engine import Masters
+from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32
+from lightning_mpt.core.policy import NonFiniteGradientError, StepRecord
+from lightning_mpt.core.scaler import DynamicLossScaler
 
 __all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strategy"]
 
@@ -103,7 +104,7 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
 
         model_parallel = isinstance(strategy, ModelParallelStrategy)
         try:
-            from lightning_mpt import fsdp
+            from lightning_mpt.core.masters import sharded as fsdp
         except ImportError as err:  # torch < 2.6 has no public FSDP2 (torch.distributed.fsdp.fully_shard)
             if model_parallel:
                 raise ImportError("MPTPrecision under ModelParallelStrategy needs torch >= 2.6 (FSDP2).") from err

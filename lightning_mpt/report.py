@@ -8,8 +8,8 @@ first (:func:`check_event_file`), and a truncated or corrupt file is named in :a
 wrong with it. All steps are optimizer steps, counted from 0 with skipped steps included (the x axis of
 the monitors). The names of the parameters with inf/NaN gradients, whether the loss was finite and a stop by
 ``MPTPrecision``'s guard come from the monitors' **records** (JSON in tensor summaries under ``mpt/data/``, see
-:mod:`lightning_mpt.tags`), never from the Markdown texts meant for people. Every tag name comes from
-:mod:`lightning_mpt.tags`.
+:mod:`lightning_mpt.diagnostics.tags`), never from the Markdown texts meant for people. Every tag name comes from
+:mod:`lightning_mpt.diagnostics.tags`.
 
 Example:
     ```python
@@ -38,9 +38,9 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-from lightning_mpt import tags
-from lightning_mpt.callbacks.sink import decode_record
-from lightning_mpt.numerics import BF16, FP16, FloatFormat
+from lightning_mpt.core.numerics import BF16, FP16, FloatFormat
+from lightning_mpt.diagnostics import tags
+from lightning_mpt.diagnostics.sink import decode_record
 
 __all__ = [
     "UNDERFLOW_TAGS",
@@ -158,7 +158,7 @@ class RunData:
         return self.scalars.get(tag, [])
 
     def record_list(self, tag: str) -> list[dict[str, Any]]:
-        """The records of ``tag`` (e.g. :data:`lightning_mpt.tags.SKIP_RECORD`), in step order."""
+        """The records of ``tag`` (e.g. :data:`lightning_mpt.diagnostics.tags.SKIP_RECORD`), in step order."""
         return [r for _, r in self.records.get(tag, [])]
 
     def per_parameter(self, tag: str) -> dict[str, Series]:

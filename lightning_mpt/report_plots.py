@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_mpt import tags
+from lightning_mpt.diagnostics import tags
 from lightning_mpt.report import UNDERFLOW_TAGS, ExponentHistogram, Report, RunData, RunSummary, format_scale
 
 __all__ = ["plot_exponents", "plot_scale", "plot_underflow_heatmap", "write_plots"]

@@ -188,7 +188,7 @@ def write_report(logdir: Path, out: Path) -> None:
 
 def screenshot(logdir: Path, path: Path, steps: int, chromium: str, size: str, budget_ms: int) -> None:
     """Screenshot the "Mixed precision" dashboard once TensorBoard serves every run's whole scale series."""
-    from lightning_mpt import tags
+    from lightning_mpt.diagnostics import tags
 
     with serve_tensorboard(logdir) as url:
         for run in ("dynamic", "unscaled"):

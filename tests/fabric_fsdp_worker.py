@@ -51,8 +51,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_mpt import DynamicLossScaler
+from lightning_mpt.core.masters.sharded import mixed_precision_policy
 from lightning_mpt.fabric import MixedPrecisionLogger, MPTPrecision
-from lightning_mpt.fsdp import mixed_precision_policy
 
 STEPS = 12
 # Fabric's default mesh on one node is 1 x 2 (data parallel x tensor parallel): FSDP2 over both processes needs 2 x 1

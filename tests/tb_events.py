@@ -9,8 +9,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar.metadata import CONFIG_SUMMARY_TAG
 
-from lightning_mpt import tags
-from lightning_mpt.callbacks.sink import decode_record
+from lightning_mpt.diagnostics import tags
+from lightning_mpt.diagnostics.sink import decode_record
 
 PathLike = Union[str, Path]
 

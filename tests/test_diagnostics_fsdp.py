@@ -28,7 +28,7 @@ import torch.distributed.fsdp
 from models import run_workers
 from tb_events import layouts, read_events, records
 
-from lightning_mpt import tags
+from lightning_mpt.diagnostics import tags
 from lightning_mpt.report import build_report
 
 pytestmark = [
@@ -265,7 +265,7 @@ def test_the_re_run_suspends_fsdps_hooks_only_and_puts_them_back(one_process):
     from torch import nn
 
     from lightning_mpt import MPTPrecision
-    from lightning_mpt.callbacks.statistics import ParamTable, Shards, reference_gradients
+    from lightning_mpt.diagnostics.statistics import ParamTable, Shards, reference_gradients
 
     fully_shard, policy = one_process.fully_shard, one_process.MixedPrecisionPolicy(param_dtype=torch.float16)
     torch.manual_seed(0)

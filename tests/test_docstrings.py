@@ -13,7 +13,7 @@ import lightning_mpt
 
 FENCE = re.compile(r"```python\n(.*?)```", re.S)
 # modules that need a torch feature this torch may lack: FSDP2 is public from torch 2.6
-NEEDS = {"lightning_mpt.fsdp": hasattr(torch.distributed.fsdp, "fully_shard")}
+NEEDS = {"lightning_mpt.core.masters.sharded": hasattr(torch.distributed.fsdp, "fully_shard")}
 
 
 def docstring_examples():
@@ -63,7 +63,7 @@ def runs_dir(tmp_path_factory):
 
 @pytest.mark.parametrize(("module", "code"), list(docstring_examples()))
 def test_docstring_example_runs(module, code, tmp_path, monkeypatch, runs_dir):
-    if not NEEDS["lightning_mpt.fsdp"] and ("fully_shard" in code or "mp_policy" in code):
+    if not NEEDS["lightning_mpt.core.masters.sharded"] and ("fully_shard" in code or "mp_policy" in code):
         pytest.skip("FSDP2 (torch.distributed.fsdp.fully_shard) is public from torch 2.6")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").symlink_to(runs_dir, target_is_directory=True)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_mpt import DynamicLossScaler, NonFiniteGradientError
-from lightning_mpt.engine import MixedPrecisionEngine
-from lightning_mpt.policy import StepPolicy
+from lightning_mpt.core.engine import MixedPrecisionEngine
+from lightning_mpt.core.policy import StepPolicy
 
 # ---------------------------------------------------------------------------------------------------- StepPolicy
 

@@ -25,7 +25,7 @@ import torch.distributed.fsdp
 from models import run_workers
 from tb_events import read_events, records
 
-from lightning_mpt import tags
+from lightning_mpt.diagnostics import tags
 
 pytestmark = [
     pytest.mark.ddp,

@@ -33,8 +33,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mpt import DynamicLossScaler, MPTPrecision, tags
+from lightning_mpt import DynamicLossScaler, MPTPrecision
 from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
+from lightning_mpt.diagnostics import tags
 from lightning_mpt.fabric import MixedPrecisionLogger
 from lightning_mpt.fabric import MPTPrecision as FabricMPTPrecision
 from lightning_mpt.report import build_report

@@ -26,7 +26,7 @@ if not hasattr(fsdp, "fully_shard"):
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 from lightning_mpt import MPTPrecision  # noqa: E402
-from lightning_mpt.fsdp import ShardedMasters, check_sharding, is_sharded  # noqa: E402
+from lightning_mpt.core.masters.sharded import ShardedMasters, check_sharding, is_sharded  # noqa: E402
 
 pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 
@@ -400,8 +400,8 @@ def test_accepted_shardings(one_process):
 
 
 def test_sharded_masters_skip_a_non_finite_step_and_name_the_parameter(one_process):
-    from lightning_mpt.engine import MixedPrecisionEngine
-    from lightning_mpt.scaler import DynamicLossScaler
+    from lightning_mpt.core.engine import MixedPrecisionEngine
+    from lightning_mpt.core.scaler import DynamicLossScaler
 
     model = Net()
     fp16 = MixedPrecisionPolicy(param_dtype=torch.float16)

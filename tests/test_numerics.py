@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_mpt.numerics import (
+from lightning_mpt.core.numerics import (
     BF16,
     FP16,
     FP32,
@@ -224,7 +224,7 @@ def test_batched_functions_return_device_tensors():
 
 @pytest.mark.parametrize("fmt", [FP16, BF16], ids=lambda f: f.name)
 def test_exponent_histogram_bit_pattern_table_matches_frexp_path(fmt):
-    from lightning_mpt.numerics import _bincount, _exponent_index
+    from lightning_mpt.core.numerics import _bincount, _exponent_index
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(20000, generator=g) * torch.logspace(-45, 38, 20000)).to(fmt.dtype)

@@ -24,7 +24,7 @@ from torch.utils.tensorboard import SummaryWriter
 from lightning_mpt import DynamicLossScaler, MPTPrecision, NonFiniteGradientError
 from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
 from lightning_mpt.cli import main
-from lightning_mpt.numerics import BF16, FP16, FloatFormat, exponent_bins, exponent_histograms
+from lightning_mpt.core.numerics import BF16, FP16, FloatFormat, exponent_bins, exponent_histograms
 from lightning_mpt.report import ExponentHistogram, build_report, format_text
 from lightning_mpt.report_plots import write_plots
 

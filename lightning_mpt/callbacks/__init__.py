@@ -22,21 +22,21 @@ if TYPE_CHECKING:
     from lightning_mpt.callbacks.dashboard import CATEGORY, mixed_precision_layout
     from lightning_mpt.callbacks.histograms import GradientHistogramMonitor
     from lightning_mpt.callbacks.loss_scale import LossScaleMonitor
-    from lightning_mpt.callbacks.statistics import DiagnosticsWarning, FlushStatistics, ReferenceStats
     from lightning_mpt.callbacks.tensor_cores import TensorCoreCheck, TensorCoreFinding, tensor_core_report
     from lightning_mpt.callbacks.underflow import UnderflowMonitor
+    from lightning_mpt.diagnostics.statistics import DiagnosticsWarning, FlushStatistics, ReferenceStats
 
 _EXPORTS = {
     "CATEGORY": "lightning_mpt.callbacks.dashboard",
-    "DiagnosticsWarning": "lightning_mpt.callbacks.statistics",
+    "DiagnosticsWarning": "lightning_mpt.diagnostics.statistics",
     "mixed_precision_layout": "lightning_mpt.callbacks.dashboard",
     "GradientHistogramMonitor": "lightning_mpt.callbacks.histograms",
     "LossScaleMonitor": "lightning_mpt.callbacks.loss_scale",
     "TensorCoreCheck": "lightning_mpt.callbacks.tensor_cores",
     "TensorCoreFinding": "lightning_mpt.callbacks.tensor_cores",
     "tensor_core_report": "lightning_mpt.callbacks.tensor_cores",
-    "FlushStatistics": "lightning_mpt.callbacks.statistics",
-    "ReferenceStats": "lightning_mpt.callbacks.statistics",
+    "FlushStatistics": "lightning_mpt.diagnostics.statistics",
+    "ReferenceStats": "lightning_mpt.diagnostics.statistics",
     "UnderflowMonitor": "lightning_mpt.callbacks.underflow",
 }
 __all__ = [

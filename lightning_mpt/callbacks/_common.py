@@ -1,7 +1,7 @@
 """The Lightning side of the diagnostic callbacks: the ``Monitor`` base class and how the monitors of one Trainer
 work together.
 
-**Coordination.** The monitors of a Trainer share one :class:`~lightning_mpt.callbacks.statistics.Recorder` (the
+**Coordination.** The monitors of a Trainer share one :class:`~lightning_mpt.diagnostics.statistics.Recorder` (the
 writer, the one-sync read-out, the per-backward cache). They find each other at ``setup("fit")`` in
 ``trainer.callbacks``: the first :class:`Monitor` in that list is the **owner**; its ``setup`` (Lightning calls the
 callbacks' ``setup`` in list order, so it runs first) forms a :class:`MonitorGroup` of all of them and hands it to
@@ -27,10 +27,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_mpt import tags
 from lightning_mpt._compat import should_accumulate
-from lightning_mpt.callbacks.sink import Sink
-from lightning_mpt.callbacks.statistics import Recorder, Shards, Statistic, describe_precision
+from lightning_mpt.diagnostics import tags
+from lightning_mpt.diagnostics.sink import Sink
+from lightning_mpt.diagnostics.statistics import Recorder, Shards, Statistic, describe_precision
 
 
 def sink_for_trainer(trainer: pl.Trainer) -> Sink:
@@ -130,7 +130,7 @@ class Monitor(Callback):
 
     Subclasses implement :meth:`start` (at ``on_fit_start``), :meth:`batch_end` (at ``on_train_batch_end``, before
     the group flushes), :meth:`train_end` and :meth:`release`, and queue their device tensors on
-    ``self.recorder``. Their :class:`~lightning_mpt.callbacks.statistics.Statistic` objects turn off alone on an
+    ``self.recorder``. Their :class:`~lightning_mpt.diagnostics.statistics.Statistic` objects turn off alone on an
     internal error; :attr:`setup_stat` guards the rest of the monitor (``start`` and ``batch_end``).
 
     Args:

@@ -3,7 +3,7 @@
 The layout is written once per run (per ``SummaryWriter``: with several TensorBoard loggers, once in each one's
 directory) with ``SummaryWriter.add_custom_scalars``, by the group of monitors of a Trainer (see
 :mod:`lightning_mpt.callbacks._common`); it holds the charts of the monitors present. The tag names are those of
-:mod:`lightning_mpt.tags`.
+:mod:`lightning_mpt.diagnostics.tags`.
 
 Example:
     ```python
@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from lightning_mpt import tags
-from lightning_mpt.tags import CATEGORY
+from lightning_mpt.diagnostics import tags
+from lightning_mpt.diagnostics.tags import CATEGORY
 
 __all__ = ["CATEGORY", "CHARTS", "layout_dict", "mixed_precision_layout"]
 

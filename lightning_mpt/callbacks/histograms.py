@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpt.callbacks._common import Monitor, accumulating, check_every, due
-from lightning_mpt.callbacks.statistics import (
+from lightning_mpt.diagnostics.statistics import (
     ExponentHistograms,
     ParamTable,
     Shards,

@@ -13,8 +13,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpt.callbacks._common import Monitor, check_every
-from lightning_mpt.callbacks.statistics import LossScaleLog, grad_scaler
-from lightning_mpt.numerics import max_abs
+from lightning_mpt.core.numerics import max_abs
+from lightning_mpt.diagnostics.statistics import LossScaleLog, grad_scaler
 from lightning_mpt.precision import MPTPrecision, NonFiniteGradientError
 
 
@@ -41,8 +41,8 @@ class LossScaleMonitor(Monitor):
     (names) and, at the end of training, the text ``mpt/overflow_summary``. For programs, the records
     ``mpt/data/skipped_step`` (every skipped step: all names, the loss flag, the scales), ``mpt/data/stopped``
     (when ``MPTPrecision``'s guard stopped training) and ``mpt/data/overflow_summary`` (see
-    :mod:`lightning_mpt.tags`). The x axis is the optimizer step (0-based, skipped steps included), the step at which
-    Lightning logs that step's ``self.log`` values.
+    :mod:`lightning_mpt.diagnostics.tags`). The x axis is the optimizer step (0-based, skipped steps included), the
+    step at which Lightning logs that step's ``self.log`` values.
 
     Args:
         every_n_steps: log the scale every this many optimizer steps; skipped steps and scale changes are always

@@ -9,9 +9,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_mpt import tags
 from lightning_mpt.callbacks._common import Monitor, check_every
-from lightning_mpt.callbacks.statistics import half_format
+from lightning_mpt.diagnostics import tags
+from lightning_mpt.diagnostics.statistics import half_format
 
 # implicit-GEMM convolutions (public classes; the lazy variants subclass them)
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)

@@ -1,16 +1,16 @@
 """``UnderflowMonitor``: what the half format does to the gradients and updates of each parameter.
 
-Three measurements, each at its own cadence, each a :class:`~lightning_mpt.callbacks.statistics.Statistic` that
+Three measurements, each at its own cadence, each a :class:`~lightning_mpt.diagnostics.statistics.Statistic` that
 turns off alone on an internal error:
 
 * every ``every_n_steps``: zero, subnormal and overflow fractions of the stored (scaled) half gradients, and the
   headroom of the largest stored value, from the gradients as the backward left them
-  (:class:`~lightning_mpt.callbacks.statistics.StoredFractions`);
+  (:class:`~lightning_mpt.diagnostics.statistics.StoredFractions`);
 * at the same steps: the update underflow fraction, from the fp32 masters before and after the optimizer step
-  (:class:`~lightning_mpt.callbacks.statistics.UpdateUnderflow`);
+  (:class:`~lightning_mpt.diagnostics.statistics.UpdateUnderflow`);
 * every ``reference_every_n_steps``: the true flush (underflow) fraction and the scale headroom, from an fp32
   reference gradient of the same batch computed with the masters
-  (:class:`~lightning_mpt.callbacks.statistics.FlushReference`). Each rank measures its own backward; the counts
+  (:class:`~lightning_mpt.diagnostics.statistics.FlushReference`). Each rank measures its own backward; the counts
   are summed (and the maxima taken) across ranks by :class:`FlushStatistics`, a torchmetrics ``Metric``. Under FSDP2
   each rank re-runs its batch with the whole fp32 weights gathered from the shards, with FSDP's hooks suspended.
 
@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpt.callbacks._common import Monitor, accumulating, check_every, due
-from lightning_mpt.callbacks.statistics import (
+from lightning_mpt.diagnostics.statistics import (
     FlushReference,
     FlushStatistics,
     ParamTable,
@@ -253,7 +253,7 @@ def _reference_grads(
     trainer: pl.Trainer, pl_module: pl.LightningModule, table: ParamTable, plugin: Any, replay: _Replay
 ) -> Optional[list[Optional[Tensor]]]:
     """fp32 gradients of the replayed batch's ``training_step`` loss for ``table``'s parameters, leaving every state
-    as it was (:func:`~lightning_mpt.callbacks.statistics.reference_gradients`); its ``self.log`` calls are
+    as it was (:func:`~lightning_mpt.diagnostics.statistics.reference_gradients`); its ``self.log`` calls are
     discarded and the loss is normalised as Lightning's closure does under gradient accumulation."""
     with _discarded_logs(pl_module):
         return reference_gradients(

@@ -2,11 +2,12 @@
 
 torch's ``Optimizer.load_state_dict`` casts the loaded state to the dtype of the parameters it finds in
 ``param_groups``: outside the step those are the half parameters, so Adam's fp32 moments would be rounded. An adopted
-optimizer has hooks that swap the masters in for the load (:meth:`~lightning_mpt.master.MasterWeights.adopt_optimizer`);
-Fabric adopts at the first step, and gives a precision plugin no hook that sees the optimizers at set-up
-(``Fabric.setup`` calls ``convert_module(module)`` only). So :class:`LoadGuards` finds them on the garbage collector's
-heap at the moments a load can follow: at set-up, when the model's ``load_state_dict`` runs (``fabric.load`` restores
-the entries of its state in their order, the model's usually first), and when the plugin's own state loads.
+optimizer has hooks that swap the masters in for the load
+(:meth:`~lightning_mpt.core.masters.copies.MasterWeights.adopt_optimizer`); Fabric adopts at the first step, and gives
+a precision plugin no hook that sees the optimizers at set-up (``Fabric.setup`` calls ``convert_module(module)`` only).
+So :class:`LoadGuards` finds them on the garbage collector's heap at the moments a load can follow: at set-up, when the
+model's ``load_state_dict`` runs (``fabric.load`` restores the entries of its state in their order, the model's usually
+first), and when the plugin's own state loads.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_mpt import _compat
 
 if TYPE_CHECKING:
-    from lightning_mpt.engine import Masters
+    from lightning_mpt.core.engine import Masters
 
 # the module of Fabric's optimizer wrapper, a class made on the fly that subclasses the optimizer's own class
 _FABRIC_WRAPPERS = "lightning.fabric.wrappers"
@@ -43,7 +44,7 @@ class LoadGuards:
         ```python
         import torch
         from torch import nn
-        from lightning_mpt.master import MasterWeights
+        from lightning_mpt.core.masters.copies import MasterWeights
 
         model = nn.Linear(4, 4)
         adam = torch.optim.Adam(model.parameters())

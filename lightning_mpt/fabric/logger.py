@@ -3,9 +3,9 @@
 The loop calls it at the two places where the numerics of a step can be seen: after the backward that completes the
 step's gradients (the stored, scaled half gradients: fractions, exponent and value histograms) and in place of
 ``optimizer.step()`` (the masters before and after the step: update underflow; the plugin's step history: loss
-scale, skipped steps, culprits). It writes the tags of :mod:`lightning_mpt.tags` and the "Mixed precision" dashboard
-through ``fabric.loggers``, with the statistics of :mod:`lightning_mpt.callbacks.statistics` that the Trainer
-callbacks use: the same numbers, one host sync per logging step, and ``lightning-mpt report`` reads the logs.
+scale, skipped steps, culprits). It writes the tags of :mod:`lightning_mpt.diagnostics.tags` and the "Mixed precision"
+dashboard through ``fabric.loggers``, with the statistics of :mod:`lightning_mpt.diagnostics.statistics` that the
+Trainer callbacks use: the same numbers, one host sync per logging step, and ``lightning-mpt report`` reads the logs.
 
 Example:
     ```python
@@ -53,9 +53,11 @@ from lightning.fabric import Fabric
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor, nn
 
-from lightning_mpt import tags
-from lightning_mpt.callbacks.sink import Sink
-from lightning_mpt.callbacks.statistics import (
+from lightning_mpt.core.numerics import FP16, max_abs
+from lightning_mpt.core.policy import NonFiniteGradientError
+from lightning_mpt.diagnostics import tags
+from lightning_mpt.diagnostics.sink import Sink
+from lightning_mpt.diagnostics.statistics import (
     ExponentHistograms,
     FlushReference,
     LossScaleLog,
@@ -77,8 +79,6 @@ from lightning_mpt.callbacks.statistics import (
     reference_gradients,
     rng_state,
 )
-from lightning_mpt.numerics import FP16, max_abs
-from lightning_mpt.policy import NonFiniteGradientError
 
 __all__ = ["MixedPrecisionLogger"]
 
@@ -146,7 +146,7 @@ class MixedPrecisionLogger:
             tag; read from ``MPTPrecision``'s step count at the first call (so a run resumed with ``fabric.load``
             continues its axis), counted by :meth:`step` otherwise. Set it to continue another count.
         last_reference: the latest :class:`~lightning_mpt.callbacks.ReferenceStats`, on every process.
-        recorder: the :class:`~lightning_mpt.callbacks.statistics.Recorder` (``recorder.syncs`` counts host reads).
+        recorder: the :class:`~lightning_mpt.diagnostics.statistics.Recorder` (``recorder.syncs`` counts host reads).
         stored_stat, update_stat, value_stat, exponent_stat, reference_stat, scale_log: the statistics (``None`` when
             not measured); ``stat.enabled`` is ``False`` once one failed.
     """

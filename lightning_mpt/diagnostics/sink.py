@@ -7,8 +7,8 @@ Example:
     import tempfile
 
     from torch.utils.tensorboard import SummaryWriter
-    from lightning_mpt import tags
-    from lightning_mpt.callbacks.sink import Sink
+    from lightning_mpt.diagnostics import tags
+    from lightning_mpt.diagnostics.sink import Sink
 
     with SummaryWriter(tempfile.mkdtemp()) as writer:
         sink = Sink(writer)
@@ -28,8 +28,8 @@ from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
-from lightning_mpt import tags
 from lightning_mpt._compat import event_file_writer
+from lightning_mpt.diagnostics import tags
 
 # SummaryWriters that hold the dashboard layout already: one layout per event-file directory, also when a second
 # fit writes to the same logger (a weak set, so that it never keeps a writer alive)
@@ -67,7 +67,7 @@ class Sink:
             import tempfile
 
             from lightning.pytorch.loggers import TensorBoardLogger
-            from lightning_mpt.callbacks.sink import Sink
+            from lightning_mpt.diagnostics.sink import Sink
 
             boards = [TensorBoardLogger(tempfile.mkdtemp()), TensorBoardLogger(tempfile.mkdtemp())]
             assert Sink.for_loggers(boards).writers == [b.experiment for b in boards]
@@ -121,7 +121,7 @@ class Sink:
 
     def record(self, tag: str, data: dict[str, Any], step: int) -> None:
         """A record for programs: ``data`` as JSON (with ``"schema"`` added) in a string tensor summary of the
-        plugin :data:`lightning_mpt.tags.PLUGIN_NAME` (TensorBoard only). Read back with
+        plugin :data:`lightning_mpt.diagnostics.tags.PLUGIN_NAME` (TensorBoard only). Read back with
         ``EventAccumulator.Tensors(tag)``; see :func:`decode_record`."""
         if not self.writers:
             return

@@ -1,5 +1,5 @@
 """The statistics of the diagnostics, without Lightning's ``Trainer``: compute them from parameters, gradients and
-masters at a loss scale in a half format, and hand them to a :class:`~lightning_mpt.callbacks.sink.Sink`.
+masters at a loss scale in a half format, and hand them to a :class:`~lightning_mpt.diagnostics.sink.Sink`.
 
 The Trainer callbacks (:mod:`lightning_mpt.callbacks`) only decide *when* and gather the tensors from the Trainer;
 everything below takes plain tensors, names and numbers, so that another driver (a Fabric loop, a script) writes the
@@ -24,9 +24,9 @@ Example:
 
     import torch
     from torch.utils.tensorboard import SummaryWriter
-    from lightning_mpt.callbacks.sink import Sink
-    from lightning_mpt.callbacks.statistics import Recorder, StoredFractions
-    from lightning_mpt.numerics import FP16
+    from lightning_mpt.diagnostics.sink import Sink
+    from lightning_mpt.diagnostics.statistics import Recorder, StoredFractions
+    from lightning_mpt.core.numerics import FP16
 
     grads = [torch.tensor([0.0, 1e-6, 3.0], dtype=torch.float16), torch.ones(4, dtype=torch.float16)]
     with SummaryWriter(tempfile.mkdtemp()) as writer:
@@ -57,11 +57,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_mpt import tags
 from lightning_mpt._compat import fsdp_forward_hooks_suspended, metric_private_state, version
-from lightning_mpt.callbacks.sink import Sink
-from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES
-from lightning_mpt.numerics import (
+from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32, HALF_DTYPES
+from lightning_mpt.core.numerics import (
     BF16,
     FP16,
     FloatFormat,
@@ -75,6 +73,8 @@ from lightning_mpt.numerics import (
     value_histograms,
     value_ranges,
 )
+from lightning_mpt.diagnostics import tags
+from lightning_mpt.diagnostics.sink import Sink
 
 STRICT_ENV = "LIGHTNING_MPT_STRICT_DIAGNOSTICS"
 
@@ -233,7 +233,7 @@ class Shards:
 
     def reduce_ranges(self, ranges: Tensor) -> Tensor:
         """The global ``(min, max)`` rows of per-process ``(min, max)`` rows
-        (:func:`~lightning_mpt.numerics.value_ranges`): one collective."""
+        (:func:`~lightning_mpt.core.numerics.value_ranges`): one collective."""
         both = torch.stack([-ranges[:, 0], ranges[:, 1]], dim=1).to(self.device, torch.float64)
         self.all_reduce(both, "max")
         return torch.stack([-both[:, 0], both[:, 1]], dim=1)
@@ -440,7 +440,7 @@ class Recorder:
         self._pending.clear()
 
     def stored_histograms(self, grads: Sequence[Optional[Tensor]], fmt: FloatFormat) -> Tensor:
-        """:func:`~lightning_mpt.numerics.exponent_histograms` of the stored gradients ``grads``, computed once per
+        """:func:`~lightning_mpt.core.numerics.exponent_histograms` of the stored gradients ``grads``, computed once per
         backward for every statistic that asks (recomputed when a gradient was replaced or edited in place)."""
         # the tensors are alive while a step measures them, so their address, shape and in-place counter name them
         # (the local shards of FSDP2's gradients are new objects at each call); flush() drops the cache every step
@@ -525,7 +525,7 @@ class ParamTable:
         kept = {id(p) for m in module.modules() if isinstance(m, DEFAULT_KEEP_FP32) for p in m.parameters()}
         compute: dict[str, torch.dtype] = {}
         if shards is not None and masters:
-            from lightning_mpt.fsdp import compute_dtypes
+            from lightning_mpt.core.masters.sharded import compute_dtypes
 
             compute = compute_dtypes(module)
         self.shards = shards
@@ -929,7 +929,7 @@ class FlushStatistics(Metric):
         self.add_state("max_scaled", torch.zeros(num_params), dist_reduce_fx="max")
 
     def update(self, counts: Tensor, max_scaled: Tensor) -> None:
-        """``counts``: ``(P, 2)`` rows of ``(nonzero, flushed)`` (:func:`~lightning_mpt.numerics.flush_counts`);
+        """``counts``: ``(P, 2)`` rows of ``(nonzero, flushed)`` (:func:`~lightning_mpt.core.numerics.flush_counts`);
         ``max_scaled``: ``(P,)`` largest ``|gradient * scale|`` per parameter."""
         self.nonzero += counts[:, 0].to(self.nonzero)
         self.flushed += counts[:, 1].to(self.flushed)
@@ -1109,7 +1109,7 @@ def reference_gradients(
         ```python
         import torch
         from torch import nn
-        from lightning_mpt.callbacks.statistics import ParamTable, reference_gradients
+        from lightning_mpt.diagnostics.statistics import ParamTable, reference_gradients
         from lightning_mpt.fabric import MPTPrecision
 
         plugin = MPTPrecision("fp16")

@@ -18,7 +18,7 @@ device tensor and never synchronises with the host: read all of them with a sing
 Example:
     ```python
     import torch
-    from lightning_mpt.numerics import FP16, FP32, flush_fraction, update_underflow_fraction
+    from lightning_mpt.core.numerics import FP16, FP32, flush_fraction, update_underflow_fraction
 
     w, u = torch.tensor([0.5]), torch.tensor([-3e-7])
     assert update_underflow_fraction(w, u, FP16).item() == 1.0   # fp16 weights would lose the update
@@ -69,7 +69,7 @@ class FloatFormat:
 
     Example:
         ```python
-        from lightning_mpt.numerics import FP16
+        from lightning_mpt.core.numerics import FP16
         assert FP16.max == 65504.0 and FP16.min_normal == 2.0**-14 and FP16.min_subnormal == 2.0**-24
         assert FP16.overflow_threshold == 65520.0 and FP16.flush_threshold == 2.0**-25
         ```
@@ -134,7 +134,7 @@ def exponent_bins(fmt: FloatFormat) -> list[str]:
 
     Example:
         ```python
-        from lightning_mpt.numerics import FP16, exponent_bins
+        from lightning_mpt.core.numerics import FP16, exponent_bins
         bins = exponent_bins(FP16)
         assert bins[0] == "zero" and bins[1] == "-24" and bins[-2] == "15" and bins[-1] == "nonfinite"
         ```
@@ -164,7 +164,7 @@ def exponent_histograms(tensors: Sequence[Optional[Tensor]], fmt: FloatFormat, s
     Example:
         ```python
         import torch
-        from lightning_mpt.numerics import FP16, exponent_histograms
+        from lightning_mpt.core.numerics import FP16, exponent_histograms
         h = exponent_histograms([torch.tensor([0.0, 1.0, 3.0, float("inf")])], FP16)
         assert h[0, 0] == 1 and h[0, -1] == 1 and h[0, 1 + 0 - FP16.min_exponent] == 1   # zero, inf, 1.0
         ```
@@ -242,7 +242,7 @@ def flush_counts(grads: Sequence[Optional[Tensor]], scale: float, fmt: FloatForm
     Example:
         ```python
         import torch
-        from lightning_mpt.numerics import FP16, flush_counts
+        from lightning_mpt.core.numerics import FP16, flush_counts
         scale = 1024.0
         g = torch.tensor([0.0, 0.9 * 2**-25 / scale, 2**-25 / scale, 1.5 * 2**-25 / scale, 1e-3])
         assert flush_counts([g], scale, FP16).tolist() == [[4, 2]]   # at or below 2**-25 once scaled: flushed
@@ -287,7 +287,7 @@ def max_abs(tensors: Sequence[Tensor]) -> Tensor:
     Example:
         ```python
         import torch
-        from lightning_mpt.numerics import max_abs
+        from lightning_mpt.core.numerics import max_abs
         m = max_abs([torch.tensor(-3.0), torch.empty(0), torch.tensor([1.0, float("inf")])])
         assert m.tolist() == [3.0, 0.0, float("inf")]   # a 0-dim tensor, an empty one, an inf
         ```
@@ -329,7 +329,7 @@ def value_ranges(groups: Sequence[Sequence[Tensor]], scale: float = 1.0) -> Tens
     Example:
         ```python
         import torch
-        from lightning_mpt.numerics import value_ranges
+        from lightning_mpt.core.numerics import value_ranges
         r = value_ranges([[torch.tensor([2.0, -1.0]), torch.tensor([float("inf")])], [torch.empty(0)]])
         assert r.tolist() == [[-1.0, 2.0], [float("inf"), float("-inf")]]
         ```
@@ -366,7 +366,7 @@ def value_histograms(
     Example:
         ```python
         import torch
-        from lightning_mpt.numerics import value_histograms, value_ranges
+        from lightning_mpt.core.numerics import value_histograms, value_ranges
         a, b = torch.tensor([0.0, 1.0]), torch.tensor([3.0, 4.0])   # one tensor split in two shards
         whole = value_histograms([[torch.cat([a, b])]], bins=4)
         ra, rb = value_ranges([[a]]), value_ranges([[b]])

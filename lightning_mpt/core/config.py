@@ -9,7 +9,7 @@ import torch
 from torch.nn import Module
 
 from lightning_mpt._compat import GRAD_DTYPE
-from lightning_mpt.scaler import DynamicLossScaler
+from lightning_mpt.core.scaler import DynamicLossScaler
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 LIGHTNING_NAMES = {"fp16": "16-mixed", "bf16": "bf16-mixed"}  # Lightning's names of the same formats

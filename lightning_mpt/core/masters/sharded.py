@@ -40,10 +40,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt.master import DEFAULT_KEEP_FP32, HALF_DTYPES, PreparedGrads, distributed
+from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32, HALF_DTYPES, PreparedGrads, distributed
 
 __all__ = [
-    "CollectiveBytes",
     "ShardedGrads",
     "ShardedMasters",
     "check_sharding",
@@ -265,8 +264,9 @@ class ShardedGrads(PreparedGrads):
 
 class ShardedMasters:
     """The masters of a model sharded with FSDP2: its own fp32 parameter shards. Implements what
-    :class:`~lightning_mpt.engine.MixedPrecisionEngine` asks of :class:`~lightning_mpt.master.MasterWeights`, without
-    a copy: the optimizer steps the shards, FSDP all-gathers them in the half format for the next forward.
+    :class:`~lightning_mpt.core.engine.MixedPrecisionEngine` asks of
+    :class:`~lightning_mpt.core.masters.copies.MasterWeights`, without a copy: the optimizer steps the shards, FSDP
+    all-gathers them in the half format for the next forward.
 
     Args:
         dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
@@ -279,8 +279,8 @@ class ShardedMasters:
         ```python
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
-        from lightning_mpt.engine import MixedPrecisionEngine
-        from lightning_mpt.scaler import DynamicLossScaler
+        from lightning_mpt.core.engine import MixedPrecisionEngine
+        from lightning_mpt.core.scaler import DynamicLossScaler
 
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process, for the example
         try:
@@ -411,62 +411,3 @@ class ShardedMasters:
 
     def accumulate_in_fp32(self, sync: bool) -> None:
         """Nothing to do: FSDP2 accumulates the reduce-scattered gradients in the fp32 shards already."""
-
-
-class CollectiveBytes(_compat.dispatch_mode()):  # type: ignore[misc]
-    """Counts the bytes this process sends through ``torch.distributed`` collectives while it is active.
-
-    ``sent["all_gather"]``: the input of each all-gather (this rank's shards, as FSDP all-gathers parameters);
-    ``sent["reduce_scatter"]``: the input of each reduce-scatter (the unsharded gradients FSDP reduces);
-    ``sent["all_reduce"]``, ``sent["broadcast"]``: their tensors. ``calls`` counts the calls of each kind. Counted at
-    the c10d ops, below FSDP and ``DTensor``, so whatever path they take is seen (on CPU and CUDA).
-
-    Example:
-        ```python
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process, for the example
-        try:
-            with CollectiveBytes() as comm:
-                dist.all_reduce(torch.ones(4))        # 4 fp32 values
-                dist.all_reduce(torch.ones(4, dtype=torch.bfloat16))
-            assert comm.sent["all_reduce"] == 16 + 8 and comm.calls["all_reduce"] == 2
-        finally:
-            dist.destroy_process_group()
-        ```
-    """
-
-    KINDS = {
-        "allgather": "all_gather",
-        "reduce_scatter": "reduce_scatter",
-        "allreduce": "all_reduce",
-        "broadcast": "broadcast",
-    }
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent: dict[str, int] = dict.fromkeys(self.KINDS.values(), 0)
-        self.calls: dict[str, int] = dict.fromkeys(self.KINDS.values(), 0)
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
-    ) -> Any:
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor turn its op into plain ones (and collectives), which come back here
-        name = func.name() if hasattr(func, "name") else ""
-        if name.startswith("c10d::"):
-            kind = next((k for key, k in self.KINDS.items() if key in name), None)
-            if kind is not None:
-                # all-gather and reduce-scatter take (output, input, ...); all-reduce and broadcast (tensors, ...)
-                data = args[1] if kind in ("all_gather", "reduce_scatter") else args[0]
-                self.sent[kind] += sum(t.numel() * t.element_size() for t in _tensors(data))
-                self.calls[kind] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _tensors(x: Any) -> list[Tensor]:
-    if isinstance(x, Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    return []

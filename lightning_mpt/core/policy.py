@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mpt.scaler import DynamicLossScaler
+from lightning_mpt.core.scaler import DynamicLossScaler
 
 HISTORY = 1024  # optimizer steps kept in ``StepPolicy.history``
 

@@ -43,9 +43,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt.master import DEFAULT_KEEP_FP32, MasterWeights, PreparedGrads, distributed
-from lightning_mpt.policy import StepPolicy
-from lightning_mpt.scaler import DynamicLossScaler
+from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32, MasterWeights, PreparedGrads, distributed
+from lightning_mpt.core.policy import StepPolicy
+from lightning_mpt.core.scaler import DynamicLossScaler
 
 
 @dataclass
@@ -62,8 +62,8 @@ class PendingStep:
 
 class Masters(Protocol):
     """What the engine (and a plugin) asks of the fp32 masters of a half-precision model. Two implementations:
-    :class:`~lightning_mpt.master.MasterWeights`, an fp32 copy of each half parameter (one device, DDP), and
-    :class:`~lightning_mpt.fsdp.ShardedMasters`, FSDP2's own sharded fp32 parameters (no copy)."""
+    :class:`~lightning_mpt.core.masters.copies.MasterWeights`, an fp32 copy of each half parameter (one device, DDP),
+    and :class:`~lightning_mpt.core.masters.sharded.ShardedMasters`, FSDP2's own sharded fp32 parameters (no copy)."""
 
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module: ...
     def restore(self) -> None: ...

@@ -1,4 +1,4 @@
-"""The public state of a mixed-precision plugin, read from its :class:`~lightning_mpt.engine.MixedPrecisionEngine`.
+"""The public state of a mixed-precision plugin, read from its :class:`~lightning_mpt.core.engine.MixedPrecisionEngine`.
 
 One definition for every plugin that delegates to the engine (the Trainer plugin and the Fabric plugin), so that the
 names and their meaning cannot drift apart: the diagnostics read these attributes, whatever runs the loop.
@@ -16,10 +16,10 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_mpt._args import LIGHTNING_NAMES, check_arguments
-from lightning_mpt.engine import MixedPrecisionEngine
-from lightning_mpt.policy import StepRecord
-from lightning_mpt.scaler import DynamicLossScaler
+from lightning_mpt.core.config import LIGHTNING_NAMES, check_arguments
+from lightning_mpt.core.engine import MixedPrecisionEngine
+from lightning_mpt.core.policy import StepRecord
+from lightning_mpt.core.scaler import DynamicLossScaler
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -137,7 +137,7 @@ class EngineAttributes:
             # Fabric, in parallelize_fn:   fully_shard(block, mp_policy=plugin.mp_policy)
             ```
         """
-        from lightning_mpt.fsdp import mixed_precision_policy
+        from lightning_mpt.core.masters.sharded import mixed_precision_policy
 
         return mixed_precision_policy(self._dtype)
 

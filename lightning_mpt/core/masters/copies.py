@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mpt import _compat
-from lightning_mpt.numerics import max_abs
+from lightning_mpt.core.numerics import max_abs
 
 # parameters of these modules stay fp32: normalisation statistics and affine parameters are precision-sensitive
 DEFAULT_KEEP_FP32: tuple[type[nn.Module], ...] = (

@@ -19,7 +19,7 @@ This module imports nothing, so a log reader can use it without torch or Lightni
 
 Example:
     ```python
-    from lightning_mpt import tags
+    from lightning_mpt.diagnostics import tags
 
     assert tags.LOSS_SCALE == "mpt/loss_scale"
     assert tags.per_parameter(tags.GRAD_UNDERFLOW, "encoder.0.weight") == "mpt/grad_underflow_fraction/encoder.0.weight"

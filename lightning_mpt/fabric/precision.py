@@ -1,60 +1,11 @@
-"""``MPTPrecision`` for Lightning Fabric: a half-precision model, fp32 master weights owned by the optimizer, a dynamic
-loss scaler, and the skip decision taken before the optimizer runs.
-
-The sibling of the Trainer plugin (:class:`lightning_mpt.MPTPrecision`): the same arguments, the same public
-attributes, the same :class:`~lightning_mpt.engine.MixedPrecisionEngine` underneath. What each Fabric call does:
-
-- ``fabric.setup(model, optimizer)`` casts the model to fp16/bf16 in place (norm layers stay fp32); the fp32 tensors
-  it had become the masters. The optimizer object stays the same: at each step it updates the masters, and its state
-  is fp32.
-- ``model(x)`` runs under autocast; floating outputs come back in fp32, so a loss computed outside the model is fp32.
-  So do methods marked with ``model.mark_forward_method(name)``, on one device as under DDP.
-- ``fabric.backward(loss)`` multiplies the loss by the scale before backpropagating.
-- ``fabric.clip_gradients(model, optimizer, ...)`` first unscales the gradients into fp32 and decides the step (one
-  host sync, all-reduced across processes), then clips the fp32 gradients the optimizer will step.
-- ``optimizer.step()`` steps the masters and writes them into the half weights, or, when a gradient was non-finite on
-  any process, skips: nothing changes, the scale backs off, the gradients are dropped.
-- ``fabric.save``/``fabric.load``: the model's ``state_dict`` holds the fp32 masters; put the plugin in the state to
-  save the scaler and counters. The optimizer's state loads into fp32 exactly: the plugin finds the optimizers that
-  hold the model's parameters before their state is loaded.
-
-Under FSDP2 (Fabric's ``ModelParallelStrategy``, ``MPTPrecision(..., sharded=True)``) ``fabric.setup_module`` leaves the
-model fp32 and the strategy's ``parallelize_fn`` shards it with ``fully_shard(..., mp_policy=plugin.mp_policy)``: its
-fp32 shards are the masters and FSDP computes in the half format (:mod:`lightning_mpt.fsdp`). Everything else above
-holds as it is.
-
-Example:
-    ```python
-    import lightning as L
-    import torch
-    from torch import nn
-    from lightning_mpt.fabric import MPTPrecision
-
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MPTPrecision("bf16")])
-    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = fabric.setup(model, optimizer)
-    for _ in range(3):
-        loss = model(torch.randn(32, 8)).pow(2).mean()
-        fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    plugin = fabric.strategy.precision
-    weight = model.module[0].weight
-    assert weight.dtype == torch.bfloat16 and plugin.master_of(weight).dtype == torch.float32
-    assert len(plugin.history) == 3 and plugin.skipped_steps == 0
-    plugin.restore()  # done: the module is fp32 again and holds the masters
-    assert model.module[0].weight.dtype == torch.float32
-    ```
-"""
+"""The Fabric plugin: :class:`MPTPrecision` (see :mod:`lightning_mpt.fabric` for what each Fabric call does)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -66,20 +17,13 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt._attributes import EngineAttributes, _params_of, report_half_kept
-from lightning_mpt._fabric_module import ForwardModule
-from lightning_mpt._lazy import lazy_exports
-from lightning_mpt._optimizers import LoadGuards, rounded_state, unwrap
-from lightning_mpt.master import DEFAULT_KEEP_FP32, distributed
-from lightning_mpt.policy import NonFiniteGradientError, StepRecord
-from lightning_mpt.scaler import DynamicLossScaler
+from lightning_mpt._plugin import EngineAttributes, _params_of, report_half_kept
+from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32, distributed
+from lightning_mpt.core.scaler import DynamicLossScaler
+from lightning_mpt.fabric._module import ForwardModule
+from lightning_mpt.fabric._optimizers import LoadGuards, rounded_state, unwrap
 
-if TYPE_CHECKING:
-    from lightning_mpt.fabric_logging import MixedPrecisionLogger
-
-__all__ = ["MPTPrecision", "MixedPrecisionLogger", "NonFiniteGradientError", "StepRecord"]
-# the diagnostics for a Fabric loop, imported on first use (TensorBoard, torchmetrics)
-__getattr__, __dir__ = lazy_exports(__name__, {"MixedPrecisionLogger": "lightning_mpt.fabric_logging"})
+__all__ = ["MPTPrecision"]
 
 _SUPPORTED = (
     "Supported: a single device, the DDP family (Fabric(strategy='ddp'), 'ddp_spawn', 'ddp_fork', 'ddp_notebook') "
@@ -180,7 +124,7 @@ class MPTPrecision(EngineAttributes, Precision):
         self._module = module
         self._ready = False
         if self.sharded:  # the strategy shards it next: nothing to cast, no replica to make equal across processes
-            from lightning_mpt.fsdp import ShardedMasters
+            from lightning_mpt.core.masters.sharded import ShardedMasters
 
             self._engine.masters = ShardedMasters(self._dtype, self.keep_fp32, report_half_kept, loop="fabric")
             self._params, self._synced = set(), True
@@ -411,7 +355,7 @@ def _check_sharded(sharded: Any, master_weights: bool) -> None:
             "which are the master weights. Use master_weights=True (the default)."
         )
     try:
-        import lightning_mpt.fsdp  # noqa: F401
+        import lightning_mpt.core.masters.sharded  # noqa: F401
     except ImportError as err:  # torch < 2.6 has no public FSDP2 (torch.distributed.fsdp.fully_shard)
         raise ImportError(
             f"MPTPrecision(sharded=True) needs torch >= 2.6 (FSDP2); this is torch {torch.__version__}."
@@ -421,7 +365,7 @@ def _check_sharded(sharded: Any, master_weights: bool) -> None:
 def _replaced(module: Module, dtype: torch.dtype) -> str:
     """Why the module's parameters are not those the plugin converted, and what to do."""
     try:
-        from lightning_mpt.fsdp import is_sharded
+        from lightning_mpt.core.masters.sharded import is_sharded
     except ImportError:
         sharded = False
     else:
