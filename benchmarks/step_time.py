@@ -616,12 +616,12 @@ class Summary:
 
 # ================================================================================================ profile
 PLUGIN_METHODS = (  # labelled in profiles when they exist (names may change as the plugin evolves)
-    ("lightning_mpt.core.masters.copies", "MasterWeights", "prepare"),
-    ("lightning_mpt.core.masters.copies", "MasterWeights", "enter"),
-    ("lightning_mpt.core.masters.copies", "MasterWeights", "exit"),
-    ("lightning_mpt.core.masters.copies", "MasterWeights", "release_stepped"),
+    ("lightning_mpt.core.masters.copies", "CopyMasters", "prepare"),
+    ("lightning_mpt.core.masters.copies", "CopyMasters", "enter"),
+    ("lightning_mpt.core.masters.copies", "CopyMasters", "exit"),
+    ("lightning_mpt.core.masters.copies", "CopyMasters", "release"),
     ("lightning_mpt.precision", "MPTPrecision", "pre_backward"),
-    ("lightning_mpt.core.policy", "StepPolicy", "sync"),  # the step's one host sync
+    ("lightning_mpt.core.engine", "MixedPrecisionEngine", "_sync"),  # the step's one host sync
     ("torch.amp.grad_scaler", "GradScaler", "unscale_"),
     ("torch.amp.grad_scaler", "GradScaler", "update"),
 )
@@ -792,8 +792,8 @@ def profile_markdown(w: str, profiles: list[Profile], top: int, cuda: bool) -> s
         "",
         f"**{w}**: step phases, {host}: each label's time minus the labels nested in it. `optimizer update`"
         " is `Optimizer.step` without what the closure runs inside it (forward, backward, zero_grad and the"
-        " plugin's labelled methods, not Lightning's own closure bookkeeping); `MasterWeights.prepare` copies"
-        " and unscales the gradients, `MasterWeights.exit` refreshes the half weights.",
+        " plugin's labelled methods, not Lightning's own closure bookkeeping); `CopyMasters.prepare` copies"
+        " and unscales the gradients, `CopyMasters.exit` refreshes the half weights.",
         "",
         "| phase | " + " | ".join(p.precision for p in profiles) + " |",
         "|---|" + "--:|" * len(profiles),

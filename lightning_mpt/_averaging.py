@@ -22,8 +22,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_mpt import _compat
-from lightning_mpt.core.engine import Masters
-from lightning_mpt.core.masters.copies import MasterWeights
+from lightning_mpt.core.masters import Masters
+from lightning_mpt.core.masters.copies import CopyMasters
 
 __all__ = ["Adapted", "MasterView", "adapt"]
 
@@ -99,7 +99,7 @@ def _adapt_swa(callback: Any, masters: Masters) -> Adapted:
     def transfer_weights(src_pl_module: Any, dst_pl_module: Module) -> None:
         view: Any = MasterView(dst_pl_module, masters)
         StochasticWeightAveraging.transfer_weights(src_pl_module, view)
-        masters.refresh()
+        _refresh(masters)
 
     setattr(callback, "update_parameters", update_parameters)
     setattr(callback, "transfer_weights", transfer_weights)
@@ -122,13 +122,13 @@ def _hook_on_masters(callback: Any, hook: Callable[..., None], masters: Masters,
     swaps, writes = name in _WA_SWAPS, name not in _WA_READS
 
     def on_masters(trainer: Any, pl_module: Module, *args: Any, **kwargs: Any) -> None:
-        if swaps and isinstance(masters, MasterWeights):
+        if swaps and isinstance(masters, CopyMasters):
             # an in-place edit of the half weights since the last step (or during validation) goes into the masters,
             # where the swap moves it, rather than being overwritten by the refresh below
             masters.adopt_all_edits()
         hook(callback, trainer, MasterView(pl_module, masters), *args, **kwargs)
         if writes:
-            masters.refresh()
+            _refresh(masters)
 
     return on_masters
 
@@ -143,10 +143,10 @@ class MasterView:
         import torch
         from torch import nn
 
-        from lightning_mpt.core.masters.copies import MasterWeights
+        from lightning_mpt.core.masters.copies import CopyMasters
 
         model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-        masters = MasterWeights(torch.float16)
+        masters = CopyMasters(torch.float16)
         masters.convert(model)
         view = MasterView(model, masters)
         assert [p.dtype for p in view.parameters()] == [torch.float32] * 4
@@ -159,7 +159,13 @@ class MasterView:
         self.module, self.masters = module, masters
 
     def parameters(self, recurse: bool = True) -> Iterator[Tensor]:
-        return iter(self.masters.main_params(self.module.parameters(recurse)))
+        return iter([self.masters.master_of(p) for p in self.module.parameters(recurse)])
 
     def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
         return self.module.buffers(recurse)
+
+
+def _refresh(masters: Masters) -> None:
+    """Write the masters into the half weights (FSDP2's shards are the weights: nothing to write)."""
+    if isinstance(masters, CopyMasters):
+        masters.refresh()

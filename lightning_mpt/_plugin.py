@@ -1,32 +1,41 @@
-"""The public state of a mixed-precision plugin, read from its :class:`~lightning_mpt.core.engine.MixedPrecisionEngine`.
+"""What the Trainer plugin and the Fabric plugin share, defined once: their arguments and public attributes, their
+checkpoint state, the masters they pick, and the texts of their errors and notices.
 
-One definition for every plugin that delegates to the engine (the Trainer plugin and the Fabric plugin), so that the
-names and their meaning cannot drift apart: the diagnostics read these attributes, whatever runs the loop.
+Both delegate the step to :class:`~lightning_mpt.core.engine.MixedPrecisionEngine`; the diagnostics read the attributes
+defined here, whatever runs the loop. This module sits below both front-ends and imports neither.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_mpt.core.config import LIGHTNING_NAMES, check_arguments
 from lightning_mpt.core.engine import MixedPrecisionEngine
-from lightning_mpt.core.policy import StepRecord
+from lightning_mpt.core.masters import Masters, params_of
+from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
+from lightning_mpt.core.steps import StepRecord
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+Loop = Literal["trainer", "fabric"]
 
-class EngineAttributes:
-    """Mixin: the public attributes of a plugin whose ``_engine`` is a :class:`MixedPrecisionEngine`.
+# Lightning's optimizer wrappers (``self.optimizers()``'s LightningOptimizer, what ``fabric.setup`` returns): classes
+# made on the fly in these modules, subclassing the wrapped optimizer's class and holding it in ``.optimizer``
+_WRAPPER_MODULES = ("lightning.pytorch.core.optimizer", "lightning.fabric.wrappers")
+
+
+class MixedPrecisionPlugin:
+    """Mixin of both plugins: their arguments, public attributes and checkpoint state, read from the engine.
 
     Example:
         ```python
@@ -70,19 +79,36 @@ class EngineAttributes:
         self.accumulate_fp32 = accumulate_fp32
         self._dtype = dtype
         self._reported_edits = set()
+        masters = CopyMasters(dtype, kept, enabled=master_weights)
         self._engine = MixedPrecisionEngine(
-            dtype, checked_scaler, master_weights, kept, max_consecutive_skips, accumulate_fp32, self._report_edits
+            masters, checked_scaler, max_consecutive_skips, accumulate_fp32, on_edits=self._report_edits
         )
 
+    def _sharded_masters(self, loop: Loop) -> Masters:
+        """FSDP2's own fp32 shards as the masters, or a clear error where they cannot be."""
+        if not self.master_weights:
+            raise ValueError(
+                "MPTPrecision(master_weights=False) is not supported under FSDP2: FSDP2 keeps fp32 parameter shards, "
+                "which are the master weights. Use master_weights=True (the default)."
+            )
+        try:
+            from lightning_mpt.core.masters.sharded import ShardedMasters
+        except ImportError as err:  # torch < 2.6 has no public FSDP2 (torch.distributed.fsdp.fully_shard)
+            raise ImportError(
+                f"MPTPrecision under FSDP2 needs torch >= 2.6; this is torch {torch.__version__}."
+            ) from err
+        return ShardedMasters(self._dtype, self.keep_fp32, report_half_kept, loop=loop)
+
+    # ------------------------------------------------------------------ public attributes
     @property
     def scaler(self) -> Optional[DynamicLossScaler]:
         """The loss scaler, ``None`` when not scaling."""
-        return self._engine.policy.scaler
+        return self._engine.log.scaler
 
     @property
     def loss_scale(self) -> float:
         """The loss scale in force now (1.0 when not scaling)."""
-        return self._engine.policy.loss_scale
+        return self._engine.loss_scale
 
     @property
     def backward_scale(self) -> float:
@@ -90,22 +116,23 @@ class EngineAttributes:
 
         It differs from :attr:`loss_scale` between an optimizer step that changed the scale and the next backward.
         """
-        return self._engine.policy.backward_scale
+        return self._engine.backward_scale
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped for non-finite gradients since the start of training."""
-        return self._engine.policy.skipped_steps
+        return self._engine.log.skipped_steps
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the latest optimizer step was skipped."""
-        return self._engine.policy.last_step_skipped
+        history = self._engine.log.history
+        return bool(history) and history[-1].skipped
 
     @property
     def history(self) -> deque[StepRecord]:
         """One :class:`~lightning_mpt.StepRecord` per optimizer step (the latest 1024)."""
-        return self._engine.policy.history
+        return self._engine.log.history
 
     @property
     def last_step(self) -> Optional[StepRecord]:
@@ -133,8 +160,6 @@ class EngineAttributes:
 
             plugin = MPTPrecision("bf16", sharded=True)
             assert plugin.mp_policy.param_dtype == plugin.mp_policy.reduce_dtype == torch.bfloat16
-            # Trainer, in configure_model: fully_shard(block, mp_policy=self.trainer.precision_plugin.mp_policy)
-            # Fabric, in parallelize_fn:   fully_shard(block, mp_policy=plugin.mp_policy)
             ```
         """
         from lightning_mpt.core.masters.sharded import mixed_precision_policy
@@ -143,7 +168,7 @@ class EngineAttributes:
 
     def master_of(self, param: Tensor) -> Tensor:
         """The fp32 tensor the optimizer steps for the module parameter ``param``: its master, or ``param`` itself
-        when it has none (norm layers, ``master_weights=False``).
+        when it has none (norm layers, frozen parameters, ``master_weights=False``).
 
         Example:
             ```python
@@ -178,7 +203,20 @@ class EngineAttributes:
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:
         """The fp32 tensors that ``optimizer`` steps: masters of half parameters, fp32 parameters themselves."""
-        return self._engine.masters.main_params(_params_of(optimizer))
+        masters = self._engine.masters
+        return [masters.master_of(p) for p in params_of(unwrap(optimizer))]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler and the counters (Lightning saves them in a checkpoint; Fabric when the plugin is in the
+        state)."""
+        return {"precision": self.precision, "master_weights": self.master_weights, **self._engine.log.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a warning says what could not be restored as saved."""
+        warning = self._engine.log.load_state_dict(state_dict)
+        if warning:
+            rank_zero_warn(f"MPTPrecision: {warning}")
 
     def _report_edits(self, names: list[str]) -> None:
         """Say once per parameter that in-place edits of its half weights were adopted by its master."""
@@ -189,8 +227,7 @@ class EngineAttributes:
                 f"MPTPrecision: the half-precision weights of {', '.join(new)} were edited in place outside the "
                 "optimizer step (a clamp, a renormalisation, a weight average); the edits were copied into the fp32 "
                 "masters, rounded to the half format. To edit at full precision, edit "
-                f"`{self._access}.master_of(param)` "
-                "instead."
+                f"`{self._access}.master_of(param)` instead."
             )
 
     def __repr__(self) -> str:
@@ -198,9 +235,40 @@ class EngineAttributes:
         return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
 
 
+def unwrap(optimizer: Any) -> Any:
+    """The torch optimizer behind Lightning's wrappers (``self.optimizers()``, what ``fabric.setup`` returns)."""
+    return optimizer.optimizer if type(optimizer).__module__ in _WRAPPER_MODULES else optimizer
+
+
+def lbfgs_unsupported(loop: Loop) -> str:
+    """Why a loss scaler cannot drive LBFGS, and what works instead."""
+    lightning = "Lightning's" if loop == "trainer" else "Fabric's"
+    return (
+        "MPTPrecision with a loss scaler does not support torch.optim.LBFGS: LBFGS re-evaluates the loss inside "
+        f"step(), where scaled gradients cannot be checked and unscaled (as with {lightning} '16-mixed'). Use "
+        "MPTPrecision('bf16') (no scaler), a first-order optimizer (SGD, Adam, AdamW, ...), or '32-true'."
+    )
+
+
+def supported_strategies(loop: Loop) -> str:
+    """The strategies the plugins support, in the words of the Trainer or of Fabric."""
+    if loop == "trainer":
+        return (
+            "Supported: a single device ('auto' on one device), the DDP family ('ddp', 'ddp_spawn', 'ddp_fork', "
+            "'ddp_notebook') and FSDP2: ModelParallelStrategy with fully_shard in configure_model (see "
+            "docs/distributed.md). DeepSpeed and FSDP1 ('fsdp') bring their own mixed precision: use "
+            "Trainer(precision='16-mixed' or 'bf16-mixed') with them, or move to FSDP2."
+        )
+    return (
+        "Supported: a single device, the DDP family (Fabric(strategy='ddp'), 'ddp_spawn', 'ddp_fork', 'ddp_notebook') "
+        "and FSDP2: ModelParallelStrategy with fully_shard in its parallelize_fn and MPTPrecision(..., sharded=True). "
+        "FSDP1 ('fsdp') and DeepSpeed bring their own mixed precision: use Fabric(precision='16-mixed' or "
+        "'bf16-mixed') with them."
+    )
+
+
 def report_half_kept(names: list[str]) -> None:
-    """Say which norm layers FSDP2 all-gathers in the half format with their block (``ShardedMasters``'s
-    ``on_half_kept``)."""
+    """Say which norm layers FSDP2 all-gathers in the half format with their block."""
     shown = ", ".join(names[:8]) + (" and more" if len(names) > 8 else "")
     rank_zero_info(
         f"MPTPrecision: FSDP2 all-gathers the parameters of {shown} in the half format with the block they belong to "
@@ -208,7 +276,3 @@ def report_half_kept(names: list[str]) -> None:
         "and autocast runs norm ops in fp32. To compute with fp32 weights too, shard each of them on its own before "
         "its block: fully_shard(norm, mesh=mesh)."
     )
-
-
-def _params_of(optimizer: Optimizer) -> Iterable[Tensor]:
-    return (p for group in optimizer.param_groups for p in group["params"])

@@ -1,10 +1,8 @@
 """``MPTPrecision``: a Lightning precision plugin with a half-precision model, fp32 master weights owned by the
 optimizer, and a configurable dynamic loss scaler.
 
-The plugin wires Lightning's hooks to three pure-torch pieces:
-:class:`~lightning_mpt.core.masters.copies.MasterWeights` (the fp32 copy),
-:class:`~lightning_mpt.core.policy.StepPolicy` (scale, decide, guard) and
-:class:`~lightning_mpt.core.scaler.DynamicLossScaler`.
+Lightning's hooks only: each delegates to the torch-only engine,
+:class:`~lightning_mpt.core.engine.MixedPrecisionEngine` (docs/architecture.md traces one step).
 """
 
 from __future__ import annotations
@@ -16,27 +14,25 @@ from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _averaging, _compat
-from lightning_mpt._plugin import EngineAttributes, report_half_kept
-from lightning_mpt.core.engine import Masters
-from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32
-from lightning_mpt.core.policy import NonFiniteGradientError, StepRecord
+from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
+from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Masters, is_fully_sharded
+from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
+from lightning_mpt.core.steps import NonFiniteGradientError, StepRecord
 
 __all__ = ["MPTPrecision", "NonFiniteGradientError", "StepRecord", "check_strategy"]
 
 
 # Lightning types ``main_params`` as an iterator of Parameters; ours returns the fp32 masters (plain tensors), in a list
-class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
+class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
     """Mixed precision with a half-precision model, fp32 master weights and dynamic loss scaling.
 
     The model's parameters live in fp16/bf16 (norm layers stay fp32) and the forward runs under autocast. The
@@ -79,8 +75,7 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
         accumulate_fp32: bool = False,
     ) -> None:
         self._set_up(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
-        self._policy, self._masters = self._engine.policy, self._engine.masters  # the pieces it delegates to
-        self._copy_masters = self._masters  # one device and DDP: an fp32 copy; FSDP2: its own shards (convert_module)
+        self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._averaging: list[_averaging.Adapted] = []  # weight-averaging callbacks pointed at the masters
 
@@ -92,31 +87,19 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
         strategy = trainer.strategy if trainer is not None else None
         if strategy is not None:
             check_strategy(strategy)
-        self._masters = self._engine.masters = self._masters_for(module, strategy)
+        self._engine.masters = self._masters_for(module, strategy)
         # Lightning loads a checkpoint's weights before it converts the module (strategies that restore after set-up
         # load them into the converted module, where the load hook sees them)
-        return self._masters.convert(module, restored=trainer is not None and trainer.ckpt_path is not None)
+        return self._engine.convert(module, restored=trainer is not None and trainer.ckpt_path is not None)
 
     def _masters_for(self, module: Module, strategy: Any) -> Masters:
         """FSDP2's own fp32 shards under ``ModelParallelStrategy`` (or for a module sharded with ``fully_shard``),
         an fp32 copy otherwise."""
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        model_parallel = isinstance(strategy, ModelParallelStrategy)
-        try:
-            from lightning_mpt.core.masters import sharded as fsdp
-        except ImportError as err:  # torch < 2.6 has no public FSDP2 (torch.distributed.fsdp.fully_shard)
-            if model_parallel:
-                raise ImportError("MPTPrecision under ModelParallelStrategy needs torch >= 2.6 (FSDP2).") from err
-            return self._copy_masters
-        if not (model_parallel or fsdp.is_sharded(module)):
-            return self._copy_masters
-        if not self.master_weights:
-            raise ValueError(
-                "MPTPrecision(master_weights=False) is not supported under FSDP2: FSDP2 keeps fp32 parameter shards, "
-                "which are the master weights. Use master_weights=True (the default)."
-            )
-        return fsdp.ShardedMasters(self._dtype, self.keep_fp32, on_half_kept=report_half_kept)
+        if isinstance(strategy, ModelParallelStrategy) or is_fully_sharded(module):
+            return self._sharded_masters("trainer")
+        return self._copy_masters
 
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -130,11 +113,13 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
             self.device = first.device.type
         lightning_module = getattr(model, "module", model)  # DDP wraps it
         self._automatic = getattr(lightning_module, "automatic_optimization", True)
-        self._masters.follow_devices()
-        self._masters.broadcast()
+        masters = self._engine.masters
+        if isinstance(masters, CopyMasters):  # FSDP2's shards are on their devices, and not replicas
+            masters.follow_devices()
+            masters.broadcast()
         trainer = _compat.attached_trainer(lightning_module)
         if trainer is not None and self.master_weights:
-            self._averaging = _averaging.adapt(trainer.callbacks, self._masters)
+            self._averaging = _averaging.adapt(trainer.callbacks, masters)
         return model, optimizers, lr_schedulers
 
     def teardown(self) -> None:
@@ -173,7 +158,7 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
         Lightning calls it before clipping; it is public so that manual optimization can inspect true gradients
         before ``opt.step()``. ``optimizer`` may be Lightning's ``LightningOptimizer`` wrapper.
         """
-        self._engine.decide(_unwrap(optimizer))
+        self._engine.decide(unwrap(optimizer))
 
     def clip_gradients(
         self,
@@ -181,7 +166,7 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap(optimizer)
         if clip_val > 0:
             self._engine.decide(optimizer)  # clip true gradients, never scaled ones
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
@@ -193,7 +178,7 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        optimizer = _unwrap(optimizer)
+        optimizer = unwrap(optimizer)
         automatic = getattr(model, "automatic_optimization", False)
         after = partial(_compat.after_closure, self, model, optimizer)  # on_before_optimizer_step, then clipping
         if self.scaler is None and (automatic or isinstance(optimizer, LBFGS)):
@@ -208,30 +193,12 @@ class MPTPrecision(EngineAttributes, Precision):  # type: ignore[misc]
             return None
         pending = self._engine.decide(optimizer)
         after()  # the hooks and clipping see unscaled gradients
-        return self._engine.finish(optimizer, pending, lambda: closure_result, **kwargs)
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        return {"precision": self.precision, "master_weights": self.master_weights, **self._policy.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        warning = self._policy.load_state_dict(state_dict)
-        if warning:
-            rank_zero_warn(f"MPTPrecision: {warning}")
-
-
-def _unwrap(optimizer: Any) -> Optimizer:
-    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (``self.optimizers()``)."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        return self._engine.step(optimizer, pending, lambda: closure_result, **kwargs)
 
 
 def _check_optimizer(optimizer: Optimizer) -> None:
     if isinstance(optimizer, LBFGS):
-        raise MisconfigurationException(
-            "MPTPrecision with a loss scaler does not support torch.optim.LBFGS: LBFGS re-evaluates the loss inside "
-            "step(), where scaled gradients cannot be checked and unscaled (as with Lightning's '16-mixed'). Use "
-            "MPTPrecision('bf16') (no scaler), a first-order optimizer (SGD, Adam, AdamW, ...), or '32-true'."
-        )
+        raise MisconfigurationException(lbfgs_unsupported("trainer"))
 
 
 def check_strategy(strategy: Any) -> None:
@@ -240,7 +207,6 @@ def check_strategy(strategy: Any) -> None:
     from lightning.pytorch.strategies import (
         DDPStrategy,
         DeepSpeedStrategy,
-        FSDPStrategy,
         ModelParallelStrategy,
         SingleDeviceStrategy,
         SingleDeviceXLAStrategy,
@@ -249,15 +215,6 @@ def check_strategy(strategy: Any) -> None:
 
     supported = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy))
     if not supported or isinstance(strategy, (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)):
-        own = isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy))
         raise ValueError(
-            f"MPTPrecision does not support the {type(strategy).__name__} strategy. Supported: a single device "
-            "('auto' on one device), the DDP family ('ddp', 'ddp_spawn', 'ddp_fork', 'ddp_notebook') and FSDP2: "
-            "ModelParallelStrategy with fully_shard in configure_model (see docs/distributed.md). "
-            + (
-                "DeepSpeed and FSDP1 ('fsdp') bring their own mixed precision: use Trainer(precision='16-mixed' or "
-                "'bf16-mixed') with them, or move to FSDP2."
-                if own
-                else ""
-            )
+            f"MPTPrecision does not support the {type(strategy).__name__} strategy. {supported_strategies('trainer')}"
         )

@@ -1,5 +1,5 @@
-"""The framework-free core on its own, in plain torch loops (no Lightning): ``StepPolicy`` (decide, sync, guard,
-counters, state) and ``MixedPrecisionEngine`` (masters, scale, step or skip)."""
+"""The framework-free core on its own, in plain torch loops (no Lightning): the decision and ``StepLog`` (guard,
+counters, state), and ``MixedPrecisionEngine`` (masters, scale, step or skip)."""
 
 from __future__ import annotations
 
@@ -10,77 +10,69 @@ import torch
 from torch import nn
 
 from lightning_mpt import DynamicLossScaler, NonFiniteGradientError
-from lightning_mpt.core.engine import MixedPrecisionEngine
-from lightning_mpt.core.policy import StepPolicy
+from lightning_mpt.core.engine import MixedPrecisionEngine, StepLog
+from lightning_mpt.core.masters.copies import CopyMasters
 
-# ---------------------------------------------------------------------------------------------------- StepPolicy
-
-
-def test_sync_reads_the_flags_and_extra_values_in_one_go():
-    policy = StepPolicy(DynamicLossScaler(init_scale=8.0), max_consecutive_skips=3)
-    policy.scale_loss(torch.tensor(1.0))
-    assert policy.sync(torch.tensor(0.0), extra=torch.tensor([1.0, 0.0])) == (False, True, [1.0, 0.0])
-    policy.scale_loss(torch.tensor(math.nan))
-    assert policy.sync(torch.tensor(2.0)) == (True, False, [])
-    assert policy.sync(None) == (False, True, [])  # nothing to read: no sync at all
-    assert policy.steps == 0
-    assert not policy.history
+# ------------------------------------------------------------------------------------------ the decision and StepLog
 
 
-def test_record_backs_off_and_counts_per_optimizer():
-    policy = StepPolicy(DynamicLossScaler(init_scale=8.0, growth_interval=100), max_consecutive_skips=2)
-    policy.scale_loss(torch.tensor(1.0))
-    record = policy.record(True, optimizer=1)
+def test_the_decision_reads_the_flags_and_the_edit_flags_in_one_go():
+    engine = MixedPrecisionEngine(CopyMasters(torch.float16), DynamicLossScaler(init_scale=8.0))
+    engine.scale_loss(torch.tensor(1.0))
+    assert engine._sync(torch.tensor(0.0), torch.tensor([1.0, 0.0])) == (False, True, [1.0, 0.0])
+    engine.scale_loss(torch.tensor(math.nan))
+    assert engine._sync(torch.tensor(2.0), None) == (True, False, [])
+    assert engine._sync(None, None) == (False, True, [])  # nothing to read: no sync at all
+    assert engine.log.steps == 0
+    assert not engine.log.history
+
+
+def test_a_skip_backs_off_and_counts_per_optimizer():
+    log = StepLog(DynamicLossScaler(init_scale=8.0, growth_interval=100), max_consecutive_skips=2)
+    record = log.skipped(optimizer=1, scale=8.0, loss_finite=True)  # 1 of 2: no error yet
     assert record.skipped
     assert record.scale == 8.0
     assert record.optimizer == 1
-    assert policy.loss_scale == 4.0
-    assert policy.skipped_steps == 1
-    assert policy.consecutive == {1: 1}
-    policy.check_guard(record)  # 1 of 2
-    policy.record(False, optimizer=0)
-    policy.stepped(0)  # another optimizer's clean step does not reset optimizer 1's count
-    record = policy.record(True, optimizer=1)
+    assert log.scaler.scale == 4.0
+    assert log.skipped_steps == 1
+    assert log.consecutive == {1: 1}
+    log.taken(optimizer=0, scale=4.0, loss_finite=True)  # another optimizer's clean step: optimizer 1's count stays
     with pytest.raises(NonFiniteGradientError, match=r"2 optimizer steps in a row were skipped \(optimizer 1\)"):
-        policy.check_guard(record)
+        log.skipped(optimizer=1, scale=4.0, loss_finite=True)
 
 
 def test_guard_at_the_minimum_scale_names_the_culprits_lazily():
-    policy = StepPolicy(DynamicLossScaler(init_scale=2.0, min_scale=2.0), max_consecutive_skips=50)
-    policy.scale_loss(torch.tensor(1.0))
-    record = policy.record(True)
-    record.blame(["a", "b", "c"], torch.tensor([False, True, False]))
+    log = StepLog(DynamicLossScaler(init_scale=2.0, min_scale=2.0), max_consecutive_skips=50)
     with pytest.raises(NonFiniteGradientError, match=r"minimum loss scale \(2\)") as err:
-        policy.check_guard(record)
+        log.skipped(0, 2.0, True, ["a", "b", "c"], torch.tensor([False, True, False]))
     assert "non-finite gradients: b\n" in str(err.value)
-    assert record.nonfinite_params == ["b"]
+    assert log.history[-1].nonfinite_params == ["b"]
 
 
 def test_a_static_scale_has_no_floor_to_reach():
-    policy = StepPolicy(DynamicLossScaler.static(4.0), max_consecutive_skips=3)
+    log = StepLog(DynamicLossScaler.static(4.0), max_consecutive_skips=3)
     for _ in range(2):
-        policy.check_guard(policy.record(True))
-    assert policy.loss_scale == 4.0
+        log.skipped(0, 4.0, True)
+    assert log.scaler.scale == 4.0
 
 
 def test_state_round_trip_and_the_old_single_counter_format():
-    policy = StepPolicy(DynamicLossScaler(init_scale=16.0), max_consecutive_skips=5)
-    policy.scale_loss(torch.tensor(1.0))
-    policy.record(True, optimizer=2)
-    other = StepPolicy(DynamicLossScaler(), max_consecutive_skips=5)
-    assert other.load_state_dict(policy.state_dict()) is None
-    assert other.loss_scale == 8.0
+    log = StepLog(DynamicLossScaler(init_scale=16.0), max_consecutive_skips=5)
+    log.skipped(optimizer=2, scale=16.0, loss_finite=True)
+    other = StepLog(DynamicLossScaler(), max_consecutive_skips=5)
+    assert other.load_state_dict(log.state_dict()) is None
+    assert other.scaler.scale == 8.0
     assert other.consecutive == {0: 0, 1: 0, 2: 1}
     assert other.steps == 1
     other.load_state_dict({
-        "scaler": policy.scaler.state_dict(),
+        "scaler": log.scaler.state_dict(),
         "skipped_steps": 3,
         "consecutive_skips": 2,
         "steps": 7,
     })
     assert other.consecutive == {0: 2}
     assert other.skipped_steps == 3
-    assert "without a loss scaler" in StepPolicy(DynamicLossScaler(), 5).load_state_dict({"scaler": None})
+    assert "without a loss scaler" in StepLog(DynamicLossScaler(), 5).load_state_dict({"scaler": None})
 
 
 # ---------------------------------------------------------------------------------------------------- the engine
@@ -108,7 +100,7 @@ def loop(engine: MixedPrecisionEngine, model: nn.Module, opt: torch.optim.Optimi
         pending = engine.decide(opt)
         if not pending.skipped:
             stepped.append([engine.masters.master_of(p).grad.clone() for p in model.parameters()])
-        engine.finish(opt, pending)
+        engine.step(opt, pending)
         opt.zero_grad()
     return stepped
 
@@ -121,7 +113,7 @@ def test_bf16_loop_tracks_fp32():
         opt.step()
         opt.zero_grad()
     model = mlp()
-    engine = MixedPrecisionEngine(torch.bfloat16)
+    engine = MixedPrecisionEngine(CopyMasters(torch.bfloat16))
     engine.convert(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loop(engine, model, opt, torch.bfloat16)
@@ -134,11 +126,11 @@ def test_bf16_loop_tracks_fp32():
 def test_fp16_static_scale_masters_equal_an_fp32_replay_and_skips_change_nothing():
     model = mlp()
     start = [p.detach().clone() for p in model.parameters()]
-    engine = MixedPrecisionEngine(torch.float16, DynamicLossScaler.static(256.0))
+    engine = MixedPrecisionEngine(CopyMasters(torch.float16), DynamicLossScaler.static(256.0))
     engine.convert(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     stepped = loop(engine, model, opt, torch.float16, inject={2})
-    assert [r.skipped for r in engine.policy.history] == [False, False, True, False, False, False]
+    assert [r.skipped for r in engine.log.history] == [False, False, True, False, False, False]
     assert len(stepped) == 5
     assert opt.state[model[0].weight]["step"].item() == 5
     replica = [nn.Parameter(t) for t in start]
@@ -153,7 +145,7 @@ def test_fp16_static_scale_masters_equal_an_fp32_replay_and_skips_change_nothing
 
 def test_step_in_closure_runs_lbfgs_on_the_masters():
     model = mlp()
-    engine = MixedPrecisionEngine(torch.bfloat16)
+    engine = MixedPrecisionEngine(CopyMasters(torch.bfloat16))
     engine.convert(model)
     opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
     x, y = batches(1)[0]
@@ -171,5 +163,5 @@ def test_step_in_closure_runs_lbfgs_on_the_masters():
         engine.step_in_closure(opt, closure, after=lambda: None)
     assert len(evaluations) > 3
     assert evaluations[-1] < 0.8 * evaluations[0]
-    assert engine.policy.steps == 3
+    assert engine.log.steps == 3
     assert all(m.dtype == torch.float32 for _, _, m in engine.masters.named_masters())

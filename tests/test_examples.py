@@ -204,7 +204,7 @@ def test_step_time_profile() -> None:
     profile = out["profile"]
     assert "| op | bf16-true | mpt-bf16 |" in profile
     assert re.search(r"^\| `aten::\w+` \| ", profile, re.M)
-    for phase in ("model.forward", "model.backward", "optimizer update", "MasterWeights.prepare"):
+    for phase in ("model.forward", "model.backward", "optimizer update", "CopyMasters.prepare"):
         assert re.search(rf"^\| {re.escape(phase)} \| ", profile, re.M), phase
 
 

@@ -26,7 +26,8 @@ if not hasattr(fsdp, "fully_shard"):
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 from lightning_mpt import MPTPrecision  # noqa: E402
-from lightning_mpt.core.masters.sharded import ShardedMasters, check_sharding, is_sharded  # noqa: E402
+from lightning_mpt.core.masters import is_fully_sharded as is_sharded  # noqa: E402
+from lightning_mpt.core.masters.sharded import ShardedMasters, check_sharding  # noqa: E402
 
 pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 
@@ -407,9 +408,7 @@ def test_sharded_masters_skip_a_non_finite_step_and_name_the_parameter(one_proce
     fp16 = MixedPrecisionPolicy(param_dtype=torch.float16)
     fully_shard(model.block, mp_policy=fp16)
     fully_shard(model, mp_policy=fp16)
-    engine = MixedPrecisionEngine(
-        torch.float16, DynamicLossScaler(init_scale=8.0), masters=ShardedMasters(torch.float16)
-    )
+    engine = MixedPrecisionEngine(ShardedMasters(torch.float16), DynamicLossScaler(init_scale=8.0))
     engine.convert(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -421,13 +420,13 @@ def test_sharded_masters_skip_a_non_finite_step_and_name_the_parameter(one_proce
     before = [p.detach().full_tensor().clone() for p in model.parameters()]
     pending = engine.decide(optimizer)
     assert torch.equal(model.head.weight.grad.full_tensor(), scaled / 8)  # unscaled in place
-    engine.finish(optimizer, pending)
-    record = engine.policy.history[-1]
+    engine.step(optimizer, pending)
+    record = engine.log.history[-1]
     assert record.skipped
     assert record.nonfinite_params == ["block.0.bias"]
     assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters()))
     assert optimizer.state == {}
-    assert engine.policy.loss_scale == 4.0
+    assert engine.loss_scale == 4.0
 
 
 def test_fsdp1_is_refused_naming_what_is_supported():

@@ -1,51 +1,56 @@
-"""The mixed-precision optimizer step, framework-free: fp32 masters, loss scaling, the skip decision and the guard.
+"""The mixed-precision optimizer step, framework-free: loss scaling, the skip decision, the step or the skip, and the
+guard.
 
-:class:`MixedPrecisionEngine` is what a precision plugin delegates to, whatever runs the loop (Lightning's Trainer,
-Lightning Fabric, a plain torch loop). Per optimizer step:
+:class:`MixedPrecisionEngine` is what both precision plugins delegate to. One optimizer step:
 
-1. :meth:`~MixedPrecisionEngine.scale_loss` before backward;
-2. :meth:`~MixedPrecisionEngine.decide`: the gradients are copied into fp32 and unscaled (fused kernels), weights
-   edited in place since the last step are adopted by their masters, and the step is decided in one host sync,
-   all-reduced across processes, before the optimizer runs;
-3. the framework runs its hooks and clipping (they see the unscaled gradients);
-4. :meth:`~MixedPrecisionEngine.finish` steps the masters with the optimizer, or skips: a skipped step does not call
-   the optimizer at all, so nothing changes, whatever the optimizer does with its closure.
+1. :meth:`~MixedPrecisionEngine.scale_loss` before each backward;
+2. :meth:`~MixedPrecisionEngine.decide`: the masters :meth:`~lightning_mpt.core.masters.Masters.prepare` the fp32
+   gradients (copied and unscaled by fused kernels, no host sync), then **one host sync** reads whether any gradient
+   or loss was non-finite (all-reduced, so every process decides alike) and whether user code edited half weights;
+3. the plugin runs its hooks and clipping, which see the unscaled gradients;
+4. :meth:`~MixedPrecisionEngine.step` lets the optimizer step the masters, or skips without calling it, so nothing
+   changes whatever the optimizer does with its closure. :class:`StepLog` records the outcome, updates the scaler
+   and raises :class:`~lightning_mpt.core.steps.NonFiniteGradientError` when the run cannot recover;
+5. :meth:`~MixedPrecisionEngine.release_gradients` before the next forward frees what the step kept.
 
 Optimizers that re-evaluate their closure (LBFGS) use :meth:`~MixedPrecisionEngine.step_in_closure` instead.
 
 Example:
     ```python
     from torch import nn
+    from lightning_mpt.core.masters.copies import CopyMasters
 
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    engine = MixedPrecisionEngine(torch.bfloat16)
+    engine = MixedPrecisionEngine(CopyMasters(torch.bfloat16))
     engine.convert(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(3):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(torch.randn(8, 4)).float().pow(2).mean()
         engine.scale_loss(loss).backward()
-        engine.finish(optimizer, engine.decide(optimizer))
+        engine.step(optimizer, engine.decide(optimizer))
         optimizer.zero_grad()
     engine.restore()   # the model is fp32 again, holding the masters
-    assert model[0].weight.dtype == torch.float32 and engine.policy.steps == 3
+    assert model[0].weight.dtype == torch.float32 and engine.log.steps == 3
     ```
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32, MasterWeights, PreparedGrads, distributed
-from lightning_mpt.core.policy import StepPolicy
+from lightning_mpt.core.masters import Gradients, Masters, distributed
 from lightning_mpt.core.scaler import DynamicLossScaler
+from lightning_mpt.core.steps import HISTORY, NonFiniteGradientError, StepRecord, reconfigured, stop_message
 
 
 @dataclass
@@ -53,36 +58,100 @@ class PendingStep:
     """An optimizer step whose gradients are unscaled and whose fate is decided, not yet carried out."""
 
     optimizer: int  # the optimizer's index
-    prepared: PreparedGrads
+    grads: Gradients
     skipped: bool
     loss_finite: bool
-    scale: float
+    scale: float  # the loss scale the gradients were computed with
     culprits: Optional[Tensor] = None  # on a skip: per-parameter non-finite flags, taken before any clipping
 
 
-class Masters(Protocol):
-    """What the engine (and a plugin) asks of the fp32 masters of a half-precision model. Two implementations:
-    :class:`~lightning_mpt.core.masters.copies.MasterWeights`, an fp32 copy of each half parameter (one device, DDP),
-    and :class:`~lightning_mpt.core.masters.sharded.ShardedMasters`, FSDP2's own sharded fp32 parameters (no copy)."""
+class StepLog:
+    """The history, the counters and the guard of a run; told each step's outcome once, it updates the scaler.
 
-    def convert(self, module: nn.Module, restored: bool = False) -> nn.Module: ...
-    def restore(self) -> None: ...
-    def adopt_optimizer(self, optimizer: Optimizer) -> list[Any]: ...
-    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> PreparedGrads: ...
-    def adopt_edits(self, prepared: PreparedGrads, flags: list[float]) -> list[str]: ...
-    def enter(self, optimizer: Optimizer, prepared: PreparedGrads) -> None: ...
-    def exit(self, optimizer: Optimizer, prepared: PreparedGrads, stepped: bool) -> None: ...
-    def discard(self, prepared: PreparedGrads) -> None: ...
-    def release_stepped(self, drop_module_grads: bool) -> None: ...
-    def rescale(self, prepared: PreparedGrads, scale: float) -> None: ...
-    def accumulate_in_fp32(self, sync: bool) -> None: ...
-    def name_of(self, param: Tensor) -> str: ...
-    def master_of(self, param: Tensor) -> Tensor: ...
-    def main_params(self, params: Iterable[Tensor]) -> list[Tensor]: ...
-    def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]: ...
-    def follow_devices(self) -> None: ...
-    def broadcast(self, src: int = 0) -> None: ...
-    def refresh(self) -> None: ...
+    Args:
+        scaler: the loss scaler, ``None`` for no scaling.
+        max_consecutive_skips: stop after this many skipped steps in a row of one optimizer.
+
+    Example:
+        ```python
+        log = StepLog(DynamicLossScaler(init_scale=8.0), max_consecutive_skips=2)
+        log.skipped(optimizer=0, scale=8.0, loss_finite=True)   # the scale backs off to 4
+        log.taken(optimizer=0, scale=4.0, loss_finite=True)
+        assert [r.skipped for r in log.history] == [True, False] and log.scaler.scale == 4.0
+        ```
+    """
+
+    def __init__(self, scaler: Optional[DynamicLossScaler], max_consecutive_skips: int) -> None:
+        self.scaler = scaler
+        self.max_consecutive_skips = max_consecutive_skips
+        self.history: deque[StepRecord] = deque(maxlen=HISTORY)
+        self.steps = 0
+        self.skipped_steps = 0
+        self.consecutive: dict[int, int] = {}  # skipped steps in a row, per optimizer index
+
+    def taken(self, optimizer: int, scale: float, loss_finite: bool) -> StepRecord:
+        """The optimizer took a step decided clean."""
+        record = self._record(optimizer, scale, loss_finite, skipped=False)
+        self.consecutive[optimizer] = 0
+        if self.scaler is not None:
+            self.scaler.update(False)
+        return record
+
+    def skipped(
+        self, optimizer: int, scale: float, loss_finite: bool, names: Any = (), nonfinite: Optional[Tensor] = None
+    ) -> StepRecord:
+        """A step skipped for non-finite gradients: the scale backs off. Raises
+        :class:`~lightning_mpt.core.steps.NonFiniteGradientError` when the run cannot recover: too many skips in a row
+        of this optimizer, or an overflow at the minimum scale. ``nonfinite`` (on the device, read only when asked)
+        flags which of ``names``, the step's parameters, had non-finite gradients."""
+        record = self._record(optimizer, scale, loss_finite, skipped=True)
+        record._names, record._mask = list(names), nonfinite
+        self.skipped_steps += 1
+        self.consecutive[optimizer] = self.consecutive.get(optimizer, 0) + 1
+        scaler = self.scaler
+        if scaler is not None:
+            scaler.update(True)
+        at_floor = scaler is not None and not scaler.is_static and scale <= scaler.min_scale
+        if at_floor or self.consecutive[optimizer] >= self.max_consecutive_skips:
+            streak = self.consecutive[optimizer]
+            raise NonFiniteGradientError(stop_message(record, self.history, streak, at_floor, len(self.consecutive)))
+        return record
+
+    def _record(self, optimizer: int, scale: float, loss_finite: bool, skipped: bool) -> StepRecord:
+        record = StepRecord(self.steps, scale, skipped, loss_finite, optimizer)
+        self.steps += 1
+        self.history.append(record)
+        return record
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "skipped_steps": self.skipped_steps,
+            "consecutive_skips": [self.consecutive.get(i, 0) for i in range(max(self.consecutive, default=-1) + 1)],
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> Optional[str]:
+        """Restore :meth:`state_dict`; returns a warning to show, if any: the scaler state could not be restored, or
+        the scaler is configured otherwise than the saved one (its configuration stays in force, the scale and its
+        trackers are restored: :meth:`~lightning_mpt.core.scaler.DynamicLossScaler.restore_state`)."""
+        warning = None
+        saved = state.get("scaler")
+        if self.scaler is not None and saved is not None:
+            changed = self.scaler.restore_state(saved)
+            warning = reconfigured(changed, self.scaler.scale) if changed else None
+        elif (self.scaler is None) != (saved is None):
+            warning = (
+                f"the checkpoint was saved {'with' if saved else 'without'} a loss scaler and this plugin has "
+                f"{'none' if self.scaler is None else 'one'}; the scaler state is not restored."
+            )
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        consecutive = state.get("consecutive_skips", 0)
+        if isinstance(consecutive, int):  # one counter for all optimizers, as the first release saved it
+            consecutive = [consecutive]
+        self.consecutive = {i: int(c) for i, c in enumerate(consecutive)}
+        self.steps = int(state.get("steps", 0))
+        return warning
 
 
 class _SkippedStep(Exception):
@@ -90,53 +159,52 @@ class _SkippedStep(Exception):
 
 
 class MixedPrecisionEngine:
-    """FP32 master weights, a loss scale and the skip policy for a half-precision model.
+    """The optimizer step of a half-precision model with fp32 masters: scale, decide, step or skip, guard.
 
     Args:
-        dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
-        scaler: the loss scaler, ``None`` for no scaling.
-        master_weights: keep fp32 masters (``False`` steps the half weights directly).
-        keep_fp32: module types whose parameters stay fp32.
+        masters: the fp32 masters (:class:`~lightning_mpt.core.masters.copies.CopyMasters`, or FSDP2's shards,
+            :class:`~lightning_mpt.core.masters.sharded.ShardedMasters`); a plugin may replace :attr:`masters` before
+            :meth:`convert`.
+        scaler: the loss scaler, ``None`` for no scaling (a non-finite gradient still skips the step).
         max_consecutive_skips: the guard's limit of skipped steps in a row of one optimizer.
         accumulate_fp32: sum the gradients of micro-batches in fp32 (torch >= 2.13); see :meth:`scale_loss`.
-        on_edits: called with the names of parameters whose half weights were edited in place outside the step
-            (the edits are adopted by the masters either way).
-        masters: the masters implementation; ``None`` for :class:`MasterWeights` with the arguments above. A plugin
-            may also assign :attr:`masters` before :meth:`convert` (the FSDP2 path does, once it sees the module).
+        on_edits: called with the names of parameters whose half weights user code edited in place outside the step
+            (the masters adopt the edits either way).
     """
 
     def __init__(
         self,
-        dtype: torch.dtype,
+        masters: Masters,
         scaler: Optional[DynamicLossScaler] = None,
-        master_weights: bool = True,
-        keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32,
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
         on_edits: Optional[Callable[[list[str]], None]] = None,
-        masters: Optional[Masters] = None,
     ) -> None:
-        if masters is None:
-            masters = MasterWeights(dtype, keep_fp32, enabled=master_weights)
-        self.masters: Masters = masters
-        self.accumulate_fp32 = accumulate_fp32
-        self.policy = StepPolicy(scaler, max_consecutive_skips)
+        self.masters = masters
         self.on_edits = on_edits
+        self.log = StepLog(scaler, max_consecutive_skips)
+        self.accumulate_fp32 = accumulate_fp32
+        self.backward_scale = self.loss_scale  # the scale of the latest backward
+        self._loss_finite: Optional[Tensor] = None  # whether every loss since the last decision was finite (device)
         self._pending: dict[Optimizer, PendingStep] = {}
         # per optimizer, the gradients of its latest step taken with no backward since: true values, not scaled
-        self._taken: dict[Optimizer, PreparedGrads] = {}
+        self._taken: dict[Optimizer, Gradients] = {}
         self._optimizers: dict[Optimizer, list[Any]] = {}  # adopted optimizers, in order -> their hook handles
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale in force now (1.0 without a scaler)."""
+        return self.log.scaler.scale if self.log.scaler is not None else 1.0
 
     # ------------------------------------------------------------------ set-up and teardown
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
-        """Cast ``module`` to the half format in place; its fp32 tensors become the masters (``restored``: see
-        :meth:`MasterWeights.convert`)."""
+        """Cast ``module`` to the half format in place; its fp32 tensors become the masters."""
         return self.masters.convert(module, restored)
 
     def adopt(self, optimizer: Optimizer) -> int:
         """The index of ``optimizer`` (its position among the optimizers seen), adopting it on first sight."""
         if optimizer not in self._optimizers:
-            self._optimizers[optimizer] = self.masters.adopt_optimizer(optimizer)
+            self._optimizers[optimizer] = self.masters.adopt(optimizer)
         return list(self._optimizers).index(optimizer)
 
     def restore(self) -> None:
@@ -151,34 +219,37 @@ class MixedPrecisionEngine:
 
     # ------------------------------------------------------------------ backward
     def scale_loss(self, loss: Tensor, sync: bool = True) -> Tensor:
-        """The loss to backpropagate: multiplied by the scale. New gradients make a decided step stale: its
-        gradients go back to their scaled state, to be accumulated into and decided again at the step.
+        """The loss to backpropagate, multiplied by the scale; notes (on the device) whether it was finite.
 
-        With ``accumulate_fp32``, ``sync`` says whether this backward reduces gradients across processes (``False``
-        for the micro-batches DDP runs under ``no_sync``): until then the gradients are summed in fp32.
+        New gradients make a decided step stale: its gradients are scaled again, to be accumulated into and decided
+        again at the step. With ``accumulate_fp32``, ``sync`` says whether this backward reduces gradients across
+        processes (``False`` for the micro-batches DDP runs under ``no_sync``): until then they are summed in fp32.
         """
         self.drop_pending(rescale=True)
         self.release_gradients(drop=False)
         if self.accumulate_fp32:
             self.masters.accumulate_in_fp32(sync=sync and distributed())
-        return self.policy.scale_loss(loss)
+        finite = torch.isfinite(loss.detach()).all()
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        self.backward_scale = self.loss_scale
+        return loss * self.backward_scale if self.log.scaler is not None else loss
 
     def release_gradients(self, drop: bool) -> None:
         """Before a forward or a backward: free the fp32 gradients kept since the last step.
 
         ``drop``: the module's gradients go too (Lightning's automatic optimization zeroes them before the backward
-        anyway). Otherwise the gradients a step left (unscaled) are multiplied by the scale in force, in the half
-        format, so that the next backward accumulates into them as under "32-true".
+        anyway). Otherwise the gradients a step left (unscaled) are multiplied by the scale in force, so that the next
+        backward accumulates into them as under "32-true".
         """
         if drop:
             self._taken.clear()
         elif self._taken:
-            scale = self.policy.loss_scale
-            for prepared in self._taken.values():
-                self.masters.rescale(prepared, scale)
+            scale = self.loss_scale
+            for grads in self._taken.values():
+                self.masters.rescale(grads, scale)
             self._taken.clear()
-            self.policy.backward_scale = scale
-        self.masters.release_stepped(drop_module_grads=drop)
+            self.backward_scale = scale
+        self.masters.release(drop)
 
     # ------------------------------------------------------------------ the step
     def decide(self, optimizer: Optimizer) -> PendingStep:
@@ -188,21 +259,40 @@ class MixedPrecisionEngine:
         if pending is not None:
             return pending
         index = self.adopt(optimizer)
-        scale = self.policy.backward_scale
         # stepping again with no backward since: the gradients are the true ones the last step left, as under "32-true"
         repeat = self._taken.pop(optimizer, None) is not None
-        prepared = self.masters.prepare(optimizer, 1.0 if repeat else scale)
-        skipped, loss_finite, edited = self.policy.sync(prepared.found_inf, prepared.edited)
-        names = self.masters.adopt_edits(prepared, edited)
-        if names and self.on_edits is not None:
-            self.on_edits(names)
-        pending = PendingStep(index, prepared, skipped, loss_finite, scale)
+        grads = self.masters.prepare(optimizer, 1.0 if repeat else self.backward_scale)
+        skipped, loss_finite, edited = self._sync(grads.found_inf, grads.edited)
+        if any(edited):
+            names = self.masters.adopt_edits(grads, edited)
+            if names and self.on_edits is not None:
+                self.on_edits(names)
+        pending = PendingStep(index, grads, skipped, loss_finite, self.backward_scale)
         if skipped:
-            pending.culprits = prepared.nonfinite_mask()  # now, before hooks or clipping touch the gradients
+            pending.culprits = grads.nonfinite_mask()  # now, before hooks or clipping touch the gradients
         self._pending[optimizer] = pending
         return pending
 
-    def finish(
+    def _sync(self, found_inf: Optional[Tensor], edited: Optional[Tensor]) -> tuple[bool, bool, list[float]]:
+        """``(skip, loss_finite, edit flags)`` in one host sync. ``skip`` and ``loss_finite`` are all-reduced across
+        processes, so every rank takes the same decision; the edit flags are this process's own."""
+        loss_finite, self._loss_finite = self._loss_finite, None
+        if found_inf is None and loss_finite is None and edited is None:
+            return False, True, []
+        device = next(t.device for t in (found_inf, loss_finite, edited) if t is not None)
+        zero = torch.zeros((), device=device)
+        flags = torch.stack([
+            zero if found_inf is None else (found_inf.to(device) > 0).float(),
+            zero if loss_finite is None else (~loss_finite).float().to(device),
+        ])
+        if distributed():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if edited is not None:
+            flags = torch.cat([flags, edited.to(device=device, dtype=flags.dtype).reshape(-1)])
+        values = flags.tolist()  # the one host sync
+        return values[0] > 0, values[1] == 0, values[2:]
+
+    def step(
         self, optimizer: Optimizer, pending: PendingStep, closure: Optional[Callable[[], Any]] = None, **kwargs: Any
     ) -> Any:
         """Carry out a decided step: the optimizer steps the masters (``closure`` is handed to it), or, for a skip,
@@ -212,14 +302,15 @@ class MixedPrecisionEngine:
             _compat.mark_optimizer_stepped(optimizer)  # LR schedulers: a skipped step is a step, as with GradScaler
             self._skip(optimizer, pending)
             return None
-        self.masters.enter(optimizer, pending.prepared)
+        self.masters.enter(optimizer, pending.grads)
         stepped = False
         try:
             output = optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
             stepped = True
         finally:
-            self.masters.exit(optimizer, pending.prepared, stepped=stepped)
-        self._stepped(optimizer, pending)
+            self.masters.exit(optimizer, pending.grads, stepped=stepped)
+        self._taken[optimizer] = pending.grads
+        self.log.taken(pending.optimizer, pending.scale, pending.loss_finite)
         return output
 
     def step_in_closure(
@@ -237,7 +328,7 @@ class MixedPrecisionEngine:
         def wrapped() -> Any:
             pending = state["pending"]
             if pending is not None:  # re-evaluation: the forward must see the masters' current values
-                self.masters.exit(optimizer, pending.prepared, stepped=False)
+                self.masters.exit(optimizer, pending.grads, stepped=False)
             result = closure()
             if result is None:  # no backward ran (training_step returned None): nothing to step
                 after()
@@ -245,8 +336,8 @@ class MixedPrecisionEngine:
             if pending is None:
                 pending = self.decide(optimizer)
             else:
-                prepared = self.masters.prepare(optimizer, self.policy.backward_scale, check_edits=False)
-                pending = PendingStep(pending.optimizer, prepared, False, True, self.policy.backward_scale)
+                grads = self.masters.prepare(optimizer, self.backward_scale, check_edits=False)
+                pending = PendingStep(pending.optimizer, grads, False, True, self.backward_scale)
                 self._pending[optimizer] = pending
             state["pending"] = pending
             after()
@@ -254,7 +345,7 @@ class MixedPrecisionEngine:
             if pending.skipped:
                 self._skip(optimizer, pending)
                 raise _SkippedStep
-            self.masters.enter(optimizer, pending.prepared)
+            self.masters.enter(optimizer, pending.grads)
             return result
 
         stepped = False
@@ -265,33 +356,29 @@ class MixedPrecisionEngine:
             return None
         finally:
             pending = state["pending"]
-            if pending is not None and pending.prepared.entered:
-                self.masters.exit(optimizer, pending.prepared, stepped=stepped)
-        if state["pending"] is not None:
-            self._stepped(optimizer, state["pending"])
+            if pending is not None and pending.grads.entered:
+                self.masters.exit(optimizer, pending.grads, stepped=stepped)
+        pending = state["pending"]
+        if pending is not None:
+            self._taken[optimizer] = pending.grads
+            self.log.taken(pending.optimizer, pending.scale, pending.loss_finite)
         return output
-
-    def _stepped(self, optimizer: Optimizer, pending: PendingStep) -> None:
-        self._taken[optimizer] = pending.prepared
-        self.policy.record(False, pending.loss_finite, pending.optimizer, pending.scale)
-        self.policy.stepped(pending.optimizer)
 
     def _skip(self, optimizer: Optimizer, pending: PendingStep) -> None:
         """Carry out a skipped step: nothing moves, the gradients are dropped, the scale backs off, the guard looks."""
-        prepared = pending.prepared
-        if prepared.entered:
-            self.masters.exit(optimizer, prepared, stepped=False)
-        record = self.policy.record(True, pending.loss_finite, pending.optimizer, pending.scale)
-        record.blame([self.masters.name_of(p) for p in prepared.all_params()], pending.culprits)
-        self.masters.discard(prepared)
-        self.policy.check_guard(record)
+        grads = pending.grads
+        if grads.entered:
+            self.masters.exit(optimizer, grads, stepped=False)
+        names = [self.masters.name_of(p) for p in grads.all_params()]
+        self.masters.discard(grads)
+        self.log.skipped(pending.optimizer, pending.scale, pending.loss_finite, names, pending.culprits)
 
     def drop_pending(self, rescale: bool = False) -> None:
         """Forget decided steps not carried out (new gradients arrived, or the run failed inside a step);
         ``rescale``: their (unscaled) gradients are scaled again for the next backward."""
         for optimizer, pending in self._pending.items():
-            if pending.prepared.entered:
-                self.masters.exit(optimizer, pending.prepared, stepped=False)
+            if pending.grads.entered:
+                self.masters.exit(optimizer, pending.grads, stepped=False)
             if rescale:
-                self.masters.rescale(pending.prepared, self.policy.loss_scale)
+                self.masters.rescale(pending.grads, self.loss_scale)
         self._pending.clear()

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_mpt._compat import fsdp_forward_hooks_suspended, metric_private_state, version
-from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32, HALF_DTYPES
+from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, HALF_DTYPES
 from lightning_mpt.core.numerics import (
     BF16,
     FP16,

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 from lightning_mpt._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from lightning_mpt.core.policy import NonFiniteGradientError, StepRecord
+    from lightning_mpt.core.steps import NonFiniteGradientError, StepRecord
     from lightning_mpt.fabric.logger import MixedPrecisionLogger
     from lightning_mpt.fabric.precision import MPTPrecision
 
@@ -65,7 +65,7 @@ __getattr__, __dir__ = lazy_exports(
     {
         "MPTPrecision": "lightning_mpt.fabric.precision",
         "MixedPrecisionLogger": "lightning_mpt.fabric.logger",
-        "NonFiniteGradientError": "lightning_mpt.core.policy",
-        "StepRecord": "lightning_mpt.core.policy",
+        "NonFiniteGradientError": "lightning_mpt.core.steps",
+        "StepRecord": "lightning_mpt.core.steps",
     },
 )

@@ -3,7 +3,7 @@
 torch's ``Optimizer.load_state_dict`` casts the loaded state to the dtype of the parameters it finds in
 ``param_groups``: outside the step those are the half parameters, so Adam's fp32 moments would be rounded. An adopted
 optimizer has hooks that swap the masters in for the load
-(:meth:`~lightning_mpt.core.masters.copies.MasterWeights.adopt_optimizer`); Fabric adopts at the first step, and gives
+(:meth:`~lightning_mpt.core.masters.copies.CopyMasters.adopt`); Fabric adopts at the first step, and gives
 a precision plugin no hook that sees the optimizers at set-up (``Fabric.setup`` calls ``convert_module(module)`` only).
 So :class:`LoadGuards` finds them on the garbage collector's heap at the moments a load can follow: at set-up, when the
 model's ``load_state_dict`` runs (``fabric.load`` restores the entries of its state in their order, the model's usually
@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_mpt import _compat
 
 if TYPE_CHECKING:
-    from lightning_mpt.core.engine import Masters
+    from lightning_mpt.core.masters import Masters
 
 # the module of Fabric's optimizer wrapper, a class made on the fly that subclasses the optimizer's own class
 _FABRIC_WRAPPERS = "lightning.fabric.wrappers"
@@ -44,14 +44,14 @@ class LoadGuards:
         ```python
         import torch
         from torch import nn
-        from lightning_mpt.core.masters.copies import MasterWeights
+        from lightning_mpt.core.masters.copies import CopyMasters
 
         model = nn.Linear(4, 4)
         adam = torch.optim.Adam(model.parameters())
         model(torch.randn(2, 4)).sum().backward()
         adam.step()  # state in fp32
         saved = adam.state_dict()
-        masters = MasterWeights(torch.float16)
+        masters = CopyMasters(torch.float16)
         masters.convert(model)
         guards = LoadGuards(masters, torch.float16, lambda: None)
         guards.watch(model)  # finds adam
@@ -94,7 +94,7 @@ class LoadGuards:
                 continue
             self._guarded[optimizer] = [
                 optimizer.register_load_state_dict_pre_hook(lambda *_: self._before_load(), prepend=True),
-                *self._masters.adopt_optimizer(optimizer),
+                *self._masters.adopt(optimizer),
             ]
 
     def stop(self) -> None:
@@ -166,14 +166,6 @@ def rounded_state(optimizer: Optimizer, masters: Masters, half: dtype) -> list[s
             if halves and step is not None and float(step) > 0:
                 names.append(masters.name_of(p))
     return names
-
-
-def unwrap(optimizer: Any) -> Any:
-    """The torch optimizer behind Fabric's wrapper (what ``fabric.setup`` returns); Fabric hands the plugin the raw
-    one, users may hand it either."""
-    if type(optimizer).__module__ == _FABRIC_WRAPPERS and isinstance(getattr(optimizer, "optimizer", None), Optimizer):
-        return optimizer.optimizer
-    return optimizer
 
 
 def _holds(optimizer: Any, wanted: set[int]) -> bool:

@@ -54,7 +54,7 @@ from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor, nn
 
 from lightning_mpt.core.numerics import FP16, max_abs
-from lightning_mpt.core.policy import NonFiniteGradientError
+from lightning_mpt.core.steps import NonFiniteGradientError
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.sink import Sink
 from lightning_mpt.diagnostics.statistics import (

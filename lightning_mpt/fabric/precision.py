@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -16,24 +14,17 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mpt import _compat
-from lightning_mpt._plugin import EngineAttributes, _params_of, report_half_kept
-from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32, distributed
+from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
+from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, distributed, is_fully_sharded
+from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.fabric._module import ForwardModule
-from lightning_mpt.fabric._optimizers import LoadGuards, rounded_state, unwrap
+from lightning_mpt.fabric._optimizers import LoadGuards, rounded_state
 
 __all__ = ["MPTPrecision"]
 
-_SUPPORTED = (
-    "Supported: a single device, the DDP family (Fabric(strategy='ddp'), 'ddp_spawn', 'ddp_fork', 'ddp_notebook') "
-    "and FSDP2: ModelParallelStrategy with fully_shard in its parallelize_fn and MPTPrecision(..., sharded=True). "
-    "FSDP1 ('fsdp') and DeepSpeed bring their own mixed precision: use Fabric(precision='16-mixed' or 'bf16-mixed') "
-    "with them."
-)
 
-
-class MPTPrecision(EngineAttributes, Precision):
+class MPTPrecision(MixedPrecisionPlugin, Precision):
     """Fabric precision plugin: half-precision model, fp32 master weights, dynamic loss scaling, skipped overflows.
 
     The model's parameters live in fp16/bf16 (norm layers stay fp32) and its forward runs under autocast. The
@@ -124,9 +115,7 @@ class MPTPrecision(EngineAttributes, Precision):
         self._module = module
         self._ready = False
         if self.sharded:  # the strategy shards it next: nothing to cast, no replica to make equal across processes
-            from lightning_mpt.core.masters.sharded import ShardedMasters
-
-            self._engine.masters = ShardedMasters(self._dtype, self.keep_fp32, report_half_kept, loop="fabric")
+            self._engine.masters = self._sharded_masters("fabric")
             self._params, self._synced = set(), True
             return module
         self._engine.convert(module)
@@ -221,7 +210,7 @@ class MPTPrecision(EngineAttributes, Precision):
         pending = self._engine.decide(optimizer)
         if pending.skipped:
             with torch.no_grad():  # a skipped step is rare: no need for a fused kernel
-                for grad in pending.prepared.fp32_grads():
+                for grad in pending.grads.fp32_grads():
                     grad.zero_()
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -233,36 +222,26 @@ class MPTPrecision(EngineAttributes, Precision):
         optimizer = self._checked(optimizer)
         closure: Optional[Callable[[], Any]] = kwargs.pop("closure", None)
         if closure is None:
-            return self._engine.finish(optimizer, self._engine.decide(optimizer), **kwargs)
+            return self._engine.step(optimizer, self._engine.decide(optimizer), **kwargs)
         if isinstance(optimizer, LBFGS):
             if self.scaler is not None:
-                raise ValueError(
-                    "MPTPrecision with a loss scaler does not support torch.optim.LBFGS: LBFGS re-evaluates the loss "
-                    "inside step(), where scaled gradients cannot be checked and unscaled (as with Fabric's "
-                    "'16-mixed'). Use MPTPrecision('bf16') (no scaler), a first-order optimizer, or '32-true'."
-                )
+                raise ValueError(lbfgs_unsupported("fabric"))
             return self._engine.step_in_closure(optimizer, closure, lambda: None, **kwargs)
         result = closure()
-        return self._engine.finish(optimizer, self._engine.decide(optimizer), lambda: result, **kwargs)
+        return self._engine.step(optimizer, self._engine.decide(optimizer), lambda: result, **kwargs)
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
         """The fp32 tensors that ``optimizer`` steps (what ``fabric.clip_gradients`` clips): masters of half
         parameters, fp32 parameters themselves."""
         self._ensure_ready()
-        return self._engine.masters.main_params(_params_of(unwrap(optimizer)))
+        return super().main_params(optimizer)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler and the counters; put the plugin in ``fabric.save``'s state to save them (Fabric saves no
-        precision state of its own)."""
-        return {"precision": self.precision, "master_weights": self.master_weights, **self._engine.policy.state_dict()}
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (``fabric.load`` calls it for the plugin's entry in the state)."""
+        """Restore :meth:`state_dict` (``fabric.load`` calls it for the plugin's entry in the state; Fabric saves no
+        precision state of its own, so put the plugin in ``fabric.save``'s state)."""
         self._loads.scan()  # the optimizer's entry may come next
-        warning = self._engine.policy.load_state_dict(state_dict)
-        if warning:
-            rank_zero_warn(f"MPTPrecision: {warning}")
+        super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ internals
     def _ensure_ready(self) -> None:
@@ -276,7 +255,8 @@ class MPTPrecision(EngineAttributes, Precision):
         params = list(self._module.parameters())
         if any(p not in self._params for p in params):
             raise ValueError(_replaced(self._forward or self._module, self._dtype))  # what the strategy got
-        self._engine.masters.follow_devices()
+        if isinstance(self._engine.masters, CopyMasters):  # Fabric moves the module after converting it
+            self._engine.masters.follow_devices()
         if params:
             self.device = params[0].device.type
         self._ready = True
@@ -297,17 +277,8 @@ class MPTPrecision(EngineAttributes, Precision):
     def _sync_masters(self) -> None:
         """Make every process hold the masters of rank 0. DDP made the half weights equal at set-up (rank 0's), so the
         half weights are left alone: a forward's graph may hold them."""
-        masters = [m for _, _, m in self._engine.masters.named_masters()]
-        groups: dict[torch.device, list[Tensor]] = defaultdict(list)
-        for m in masters:
-            groups[m.device].append(m)
-        for group in groups.values():
-            flat = torch.cat([m.detach().reshape(-1) for m in group])
-            dist.broadcast(flat, src=0)
-            with torch.no_grad():
-                _compat.foreach_copy_(
-                    group, [t.view_as(m) for t, m in zip(flat.split([m.numel() for m in group]), group)]
-                )
+        if isinstance(self._engine.masters, CopyMasters):
+            self._engine.masters.broadcast(refresh=False)
         self._synced = True
 
     def _checked(self, optimizer: Any) -> Optimizer:
@@ -322,7 +293,7 @@ class MPTPrecision(EngineAttributes, Precision):
         if not isinstance(optimizer, Optimizer):
             raise ValueError(
                 f"MPTPrecision steps torch optimizers; the strategy handed it a {type(optimizer).__name__}. "
-                f"{_SUPPORTED}"
+                f"{supported_strategies('fabric')}"
             )
         self._warn_if_state_was_rounded(optimizer)
         self._engine.adopt(optimizer)
@@ -364,13 +335,7 @@ def _check_sharded(sharded: Any, master_weights: bool) -> None:
 
 def _replaced(module: Module, dtype: torch.dtype) -> str:
     """Why the module's parameters are not those the plugin converted, and what to do."""
-    try:
-        from lightning_mpt.core.masters.sharded import is_sharded
-    except ImportError:
-        sharded = False
-    else:
-        sharded = is_sharded(module)
-    if sharded:
+    if is_fully_sharded(module):
         return (
             f"MPTPrecision: the module was sharded with FSDP2 (fully_shard) after the plugin had cast it to {dtype}, "
             "so FSDP2 holds half-precision shards and the plugin's fp32 masters no longer match. Under "
@@ -379,5 +344,6 @@ def _replaced(module: Module, dtype: torch.dtype) -> str:
         )
     return (
         "MPTPrecision: the module's parameters were replaced after it was converted, by a sharding strategy "
-        f"(or by code that swapped them after fabric.setup); its fp32 masters no longer match. {_SUPPORTED}"
+        "(or by code that swapped them after fabric.setup); its fp32 masters no longer match. "
+        + supported_strategies("fabric")
     )

@@ -28,7 +28,7 @@ Under Lightning's ``ModelParallelStrategy`` the LightningModule's ``configure_mo
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -40,14 +40,19 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32, HALF_DTYPES, PreparedGrads, distributed
+from lightning_mpt.core.masters import (
+    DEFAULT_KEEP_FP32,
+    HALF_DTYPES,
+    Gradients,
+    distributed,
+    params_of,
+)
 
 __all__ = [
     "ShardedGrads",
     "ShardedMasters",
     "check_sharding",
     "compute_dtypes",
-    "is_sharded",
     "mixed_precision_policy",
 ]
 
@@ -106,17 +111,6 @@ def mixed_precision_policy(dtype: torch.dtype, reduce_dtype: Optional[torch.dtyp
     if reduce_dtype not in (dtype, torch.float32):
         raise ValueError(f"reduce_dtype must be {dtype} or torch.float32, got {reduce_dtype}")
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``fully_shard`` (FSDP2) was applied to ``module`` or to one of its submodules.
-
-    Example:
-        ```python
-        assert not is_sharded(nn.Linear(2, 2))
-        ```
-    """
-    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def check_sharding(
@@ -253,7 +247,7 @@ def _local(t: Tensor) -> Tensor:
 
 
 @dataclass
-class ShardedGrads(PreparedGrads):
+class ShardedGrads(Gradients):
     """The fp32 gradient shards of one optimizer, unscaled in place. FSDP's parameters are their own masters, so
     they are all in ``own_params``."""
 
@@ -263,10 +257,10 @@ class ShardedGrads(PreparedGrads):
 
 
 class ShardedMasters:
-    """The masters of a model sharded with FSDP2: its own fp32 parameter shards. Implements what
-    :class:`~lightning_mpt.core.engine.MixedPrecisionEngine` asks of
-    :class:`~lightning_mpt.core.masters.copies.MasterWeights`, without a copy: the optimizer steps the shards, FSDP
-    all-gathers them in the half format for the next forward.
+    """The masters of a model sharded with FSDP2: its own fp32 parameter shards, with no copy. The optimizer steps
+    the shards and FSDP all-gathers them in the half format for the next forward, so the verbs of
+    :class:`~lightning_mpt.core.masters.Masters` that hand masters to the optimizer or refresh half weights have
+    nothing to move here.
 
     Args:
         dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
@@ -286,18 +280,17 @@ class ShardedMasters:
         try:
             model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
             fully_shard(model, mp_policy=mixed_precision_policy(torch.bfloat16))
-            engine = MixedPrecisionEngine(torch.bfloat16, DynamicLossScaler(init_scale=1024.0),
-                                          masters=ShardedMasters(torch.bfloat16))
+            engine = MixedPrecisionEngine(ShardedMasters(torch.bfloat16), DynamicLossScaler(init_scale=1024.0))
             engine.convert(model)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # steps the fp32 shards
             for _ in range(3):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     loss = model(torch.randn(8, 4)).float().pow(2).mean()
                 engine.scale_loss(loss).backward()
-                engine.finish(optimizer, engine.decide(optimizer))
+                engine.step(optimizer, engine.decide(optimizer))
                 optimizer.zero_grad()
             engine.restore()
-            assert model[0].weight.dtype == torch.float32 and engine.policy.steps == 3
+            assert model[0].weight.dtype == torch.float32 and engine.log.steps == 3
         finally:
             dist.destroy_process_group()
         ```
@@ -332,26 +325,14 @@ class ShardedMasters:
         """Nothing to give back: the module's parameters are the fp32 masters all along."""
         self._names.clear()
 
-    def adopt_optimizer(self, optimizer: Optimizer) -> list[Any]:
-        """Nothing to adopt: the optimizer holds the fp32 shards, so its state is fp32 from the start."""
+    def adopt(self, optimizer: Optimizer) -> list[Any]:
+        """No hooks: the optimizer holds the fp32 shards, so its state is fp32 and loads exactly."""
         return []
-
-    def follow_devices(self) -> None:
-        """Nothing to move: the masters are the parameters."""
-
-    def broadcast(self, src: int = 0) -> None:
-        """Nothing to broadcast: each rank holds its own shard, not a replica."""
-
-    def refresh(self) -> None:
-        """Nothing to write: FSDP all-gathers the half compute copy from the shards at the next forward."""
 
     # ------------------------------------------------------------------ queries
     def master_of(self, param: Tensor) -> Tensor:
         """``param`` itself: the fp32 shard is the master."""
         return param
-
-    def main_params(self, params: Iterable[Tensor]) -> list[Tensor]:
-        return list(params)
 
     def name_of(self, param: Tensor) -> str:
         return self._names.get(param, f"<unnamed {tuple(param.shape)}>")
@@ -366,7 +347,7 @@ class ShardedMasters:
         """Unscale ``optimizer``'s fp32 gradient shards in place by ``1/scale`` (fused kernel on the local shards, no
         host sync). ``found_inf`` is a tensor on every rank, so the policy's all-reduce runs on every rank.
         ``check_edits`` is moot: a weight edited in place is edited in its master."""
-        order = [p for group in optimizer.param_groups for p in group["params"]]
+        order = params_of(optimizer)
         out = ShardedGrads(optimizer=optimizer, own_params=[p for p in order if p.grad is not None])
         grads = out.fp32_grads()
         if any(g.is_sparse for g in grads):
@@ -384,30 +365,31 @@ class ShardedMasters:
             out.found_inf += found.to(device)
         return out
 
-    def adopt_edits(self, prepared: PreparedGrads, flags: list[float]) -> list[str]:
+    def adopt_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
+        """Not called: an edit of a shard is an edit of its master (``prepare`` flags none)."""
         return []
 
-    def enter(self, optimizer: Optimizer, prepared: PreparedGrads) -> None:
-        prepared.entered = True  # the optimizer holds the masters anyway
+    def enter(self, optimizer: Optimizer, grads: Gradients) -> None:
+        grads.entered = True  # the optimizer holds the shards, which are the masters
 
-    def exit(self, optimizer: Optimizer, prepared: PreparedGrads, stepped: bool) -> None:
-        prepared.entered = False
+    def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
+        grads.entered = False  # FSDP all-gathers the half compute copy from the shards at the next forward
 
-    def discard(self, prepared: PreparedGrads) -> None:
+    def discard(self, grads: Gradients) -> None:
         """A skipped step: drop its gradient shards."""
-        for p in prepared.all_params():
+        for p in grads.all_params():
             p.grad = None
 
-    def release_stepped(self, drop_module_grads: bool) -> None:
+    def release(self, drop: bool) -> None:
         """Nothing kept past the step: the gradient shards are the parameters' own."""
 
-    def rescale(self, prepared: PreparedGrads, scale: float) -> None:
-        """Before a backward: the unscaled gradient shards that ``prepared`` left (a step decided but not taken, or
+    def rescale(self, grads: Gradients, scale: float) -> None:
+        """Before a backward: the unscaled gradient shards that ``grads`` left (a step decided but not taken, or
         taken and not zeroed) are multiplied by ``scale``, the new backward's, so FSDP accumulates the next
         reduce-scatter into them consistently."""
-        grads = [_local(p.grad) for p in prepared.own_params if p.grad is not None]
-        if grads and scale != 1.0:
-            _compat.foreach_mul_(grads, scale)
+        shards = [_local(p.grad) for p in grads.own_params if p.grad is not None]
+        if shards and scale != 1.0:
+            _compat.foreach_mul_(shards, scale)
 
     def accumulate_in_fp32(self, sync: bool) -> None:
         """Nothing to do: FSDP2 accumulates the reduce-scattered gradients in the fp32 shards already."""
