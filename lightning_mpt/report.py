@@ -38,8 +38,8 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-from lightning_mpt.core.numerics import BF16, FP16, FloatFormat
-from lightning_mpt.diagnostics import tags
+from lightning_mpt.diagnostics import exponent_axis, tags
+from lightning_mpt.diagnostics.exponent_axis import FORMATS, FloatFormat
 from lightning_mpt.diagnostics.sink import decode_record
 
 __all__ = [
@@ -61,7 +61,6 @@ __all__ = [
 ]
 
 PREFIX = tags.PREFIX
-_FORMATS = (FP16, BF16)
 # per-parameter tags that rank the layers, best evidence first: the flush fraction (fp32 reference) sees the values
 # the half format lost; without a reference, a large subnormal share is where flushing starts; zeros come last
 # because they include structural zeros (dead ReLUs, unused embedding rows)
@@ -140,7 +139,7 @@ class ExponentHistogram:
 
     @property
     def fmt(self) -> FloatFormat:
-        return next(f for f in _FORMATS if f.name == self.format)
+        return next(f for f in FORMATS if f.name == self.format)
 
 
 @dataclass
@@ -375,29 +374,12 @@ def _last_exponents(last: dict[str, Any]) -> Optional[ExponentHistogram]:
 
 
 def decode_exponent_histogram(h: Any, step: int) -> Optional[ExponentHistogram]:
-    """The counts per exponent in one ``HistogramProto`` that ``GradientHistogramMonitor`` wrote at ``step``.
-
-    Its layout (see the monitor's docstring): ``min``/``max`` are ``min_exponent - 3``/``max_exponent + 4``; the
-    bucket ending at ``min_exponent - 2`` counts zeros, the one ending at ``e + 1`` the values of exponent ``e``, the
-    one ending at ``max_exponent + 4`` inf/NaN; runs of empty buckets are merged, so only nonzero buckets matter.
-    ``None`` when the range is neither fp16's nor bf16's.
-    """
-    lo, hi = round(h.min) + 3, round(h.max) - 4
-    fmt = next((f for f in _FORMATS if (f.min_exponent, f.max_exponent) == (lo, hi)), None)
-    if fmt is None:
+    """The counts per exponent in one ``HistogramProto`` of ``mpt/grad_exponent/*`` written at ``step`` (its axis:
+    :mod:`lightning_mpt.diagnostics.exponent_axis`); ``None`` when its range is neither fp16's nor bf16's."""
+    decoded = exponent_axis.decode(h.min, h.max, h.bucket_limit, h.bucket)
+    if decoded is None:
         return None
-    zero = nonfinite = 0.0
-    counts: dict[int, float] = {}
-    for limit, count in zip(h.bucket_limit, h.bucket):
-        edge = round(limit)
-        if count == 0:
-            continue
-        if edge == lo - 2:
-            zero += count
-        elif edge == hi + 4:
-            nonfinite += count
-        elif lo < edge <= hi + 1:
-            counts[edge - 1] = counts.get(edge - 1, 0.0) + count
+    fmt, zero, nonfinite, counts = decoded
     return ExponentHistogram(step, fmt.name, zero, nonfinite, counts, [])
 
 
@@ -486,7 +468,7 @@ def _format_from_marks(run: RunData) -> Optional[str]:
     marks = run.series(tags.MIN_SUBNORMAL_EXPONENT)
     if not marks:
         return None
-    return next((f.name for f in _FORMATS if f.min_exponent == round(marks[-1][1])), None)
+    return next((f.name for f in FORMATS if f.min_exponent == round(marks[-1][1])), None)
 
 
 def build_report(logdir: Union[str, Path]) -> Report:

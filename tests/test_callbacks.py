@@ -29,8 +29,9 @@ from lightning_mpt.callbacks import (
 )
 from lightning_mpt.callbacks._common import Monitor
 from lightning_mpt.core.numerics import FP16, flush_counts
+from lightning_mpt.diagnostics.recorder import Recorder
 from lightning_mpt.diagnostics.sink import Sink
-from lightning_mpt.diagnostics.statistics import STRICT_ENV, Recorder, Statistic
+from lightning_mpt.diagnostics.statistic import STRICT_ENV, Statistic
 
 HALF_PARAMS = ["net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"]  # TinyMLP without its LayerNorm
 ALL_PARAMS = ["net.0.weight", "net.0.bias", "net.1.weight", "net.1.bias", "net.3.weight", "net.3.bias"]

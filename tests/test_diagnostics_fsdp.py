@@ -265,7 +265,9 @@ def test_the_re_run_suspends_fsdps_hooks_only_and_puts_them_back(one_process):
     from torch import nn
 
     from lightning_mpt import MPTPrecision
-    from lightning_mpt.diagnostics.statistics import ParamTable, Shards, reference_gradients
+    from lightning_mpt.diagnostics.params import ParamTable
+    from lightning_mpt.diagnostics.replay import reference_gradients
+    from lightning_mpt.diagnostics.shards import Shards
 
     fully_shard, policy = one_process.fully_shard, one_process.MixedPrecisionPolicy(param_dtype=torch.float16)
     torch.manual_seed(0)

@@ -15,9 +15,11 @@ from lightning_mpt.diagnostics import tags
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mpt"
 # the diagnostics and the report: the files whose private-symbol uses go through lightning_mpt/_compat.py
-DIAGNOSTICS = sorted(PACKAGE.glob("callbacks/*.py")) + sorted(PACKAGE.glob("diagnostics/*.py")) + [
-    PACKAGE / name for name in ("report.py", "report_plots.py", "cli.py", "core/numerics.py")
-]
+DIAGNOSTICS = (
+    sorted(PACKAGE.glob("callbacks/*.py"))
+    + sorted(PACKAGE.glob("diagnostics/*.py"))
+    + [PACKAGE / name for name in ("report.py", "report_plots.py", "cli.py", "core/numerics.py")]
+)
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

@@ -19,25 +19,27 @@ from typing import TYPE_CHECKING
 from lightning_mpt._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from lightning_mpt.callbacks.dashboard import CATEGORY, mixed_precision_layout
     from lightning_mpt.callbacks.histograms import GradientHistogramMonitor
     from lightning_mpt.callbacks.loss_scale import LossScaleMonitor
-    from lightning_mpt.callbacks.tensor_cores import TensorCoreCheck, TensorCoreFinding, tensor_core_report
+    from lightning_mpt.callbacks.tensor_cores import TensorCoreCheck
     from lightning_mpt.callbacks.underflow import UnderflowMonitor
-    from lightning_mpt.diagnostics.statistics import DiagnosticsWarning, FlushStatistics, ReferenceStats
+    from lightning_mpt.diagnostics.dashboard import CATEGORY, mixed_precision_layout
+    from lightning_mpt.diagnostics.reference import FlushStatistics, ReferenceStats
+    from lightning_mpt.diagnostics.statistic import DiagnosticsWarning
+    from lightning_mpt.diagnostics.tensor_cores import TensorCoreFinding, tensor_core_report
 
 _EXPORTS = {
-    "CATEGORY": "lightning_mpt.callbacks.dashboard",
-    "DiagnosticsWarning": "lightning_mpt.diagnostics.statistics",
-    "mixed_precision_layout": "lightning_mpt.callbacks.dashboard",
+    "CATEGORY": "lightning_mpt.diagnostics.dashboard",
+    "DiagnosticsWarning": "lightning_mpt.diagnostics.statistic",
+    "FlushStatistics": "lightning_mpt.diagnostics.reference",
     "GradientHistogramMonitor": "lightning_mpt.callbacks.histograms",
     "LossScaleMonitor": "lightning_mpt.callbacks.loss_scale",
+    "ReferenceStats": "lightning_mpt.diagnostics.reference",
     "TensorCoreCheck": "lightning_mpt.callbacks.tensor_cores",
-    "TensorCoreFinding": "lightning_mpt.callbacks.tensor_cores",
-    "tensor_core_report": "lightning_mpt.callbacks.tensor_cores",
-    "FlushStatistics": "lightning_mpt.diagnostics.statistics",
-    "ReferenceStats": "lightning_mpt.diagnostics.statistics",
+    "TensorCoreFinding": "lightning_mpt.diagnostics.tensor_cores",
     "UnderflowMonitor": "lightning_mpt.callbacks.underflow",
+    "mixed_precision_layout": "lightning_mpt.diagnostics.dashboard",
+    "tensor_core_report": "lightning_mpt.diagnostics.tensor_cores",
 }
 __all__ = [
     "CATEGORY",

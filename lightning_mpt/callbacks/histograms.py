@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from functools import partial
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import lightning.pytorch as pl
-from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mpt.callbacks._common import Monitor, accumulating, check_every, due
-from lightning_mpt.diagnostics.statistics import (
-    ExponentHistograms,
-    ParamTable,
-    Shards,
-    ValueHistograms,
-    half_format,
-    has_masters,
-    local_tensor,
-    module_name,
-)
-
-_GROUPINGS = ("parameter", "module")
+from lightning_mpt.callbacks._common import Monitor, accumulating
+from lightning_mpt.diagnostics.cadence import check_every
+from lightning_mpt.diagnostics.histograms import GradientHistograms
+from lightning_mpt.diagnostics.params import Group
+from lightning_mpt.diagnostics.stored import ExponentHistograms
+from lightning_mpt.diagnostics.values import ValueHistograms
 
 
 class GradientHistogramMonitor(Monitor):
@@ -30,12 +20,10 @@ class GradientHistogramMonitor(Monitor):
     gradients: ``mpt/grad/<name>``, the true (unscaled, fp32) values the optimizer steps with, and
     ``mpt/grad_exponent/<name>``, the exponents ``floor(log2|g|)`` of the stored, scaled half-precision gradients.
 
-    Exponent histogram layout (x axis in powers of two; fp16 numbers shown): one bucket per exponent from the
-    format's min subnormal (-24) to its max (15; the min normal is -14); the bucket left of a gap (at -27) counts
-    exact zeros and the bucket right of a gap (at 18) counts inf/NaN. The axis always spans the whole format, so
-    how close the values sit to flushing (left) or overflowing (right) reads directly off the chart. The marks are
-    also written once as scalars ``mpt/format/{min_subnormal,min_normal,max}_exponent`` and as the text
-    ``mpt/legend/grad_exponent``. NaN and inf are counted, never plotted as values.
+    The exponent axis spans the whole format (:mod:`~lightning_mpt.diagnostics.exponent_axis`), so how close the
+    values sit to flushing (left) or overflowing (right) reads off the chart; zeros and inf/NaN have buckets of their
+    own beyond gaps. The format's marks are written once as scalars ``mpt/format/*`` and as the text
+    ``mpt/legend/grad_exponent``.
 
     Args:
         every_n_steps: optimizer steps between histograms.
@@ -68,95 +56,32 @@ class GradientHistogramMonitor(Monitor):
     ) -> None:
         super().__init__(strict)
         self.every_n_steps = check_every("GradientHistogramMonitor", "every_n_steps", every_n_steps)
-        if group_by not in _GROUPINGS:
-            raise ValueError(f"GradientHistogramMonitor(group_by={group_by!r}): expected one of {list(_GROUPINGS)}.")
-        self.group_by = group_by
-        self.bins = check_every("GradientHistogramMonitor", "bins", bins)
-        self.values = values
-        self.exponents = exponents
-        self.value_stat = ValueHistograms([], self.bins, owner="GradientHistogramMonitor", strict=strict)
-        self.exponent_stat: Optional[ExponentHistograms] = None
-        self._table: Optional[ParamTable] = None
-        self._val_groups: list[tuple[str, list[tuple[str, Tensor]]]] = []
+        self.histograms = GradientHistograms(
+            self.every_n_steps, group_by, bins, values, exponents, "GradientHistogramMonitor", strict
+        )
+        self.group_by, self.bins, self.values, self.exponents = group_by, bins, values, exponents
+
+    @property
+    def value_stat(self) -> ValueHistograms:
+        return self.histograms.value_stat
+
+    @property
+    def exponent_stat(self) -> Optional[ExponentHistograms]:
+        return self.histograms.exponent_stat
+
+    @property
+    def _val_groups(self) -> list[Group]:
+        return self.histograms.groups
 
     def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.exponent_stat, self._table, self._val_groups = None, None, []
-        self.value_stat = ValueHistograms([], self.bins, owner="GradientHistogramMonitor", strict=self.strict)
-        if not self.recorder.active:
-            return
-        plugin = trainer.precision_plugin
-        fmt = half_format(plugin)
-        if self.values:
-            self._val_groups = self._group(list(pl_module.named_parameters()))
-            self.value_stat = ValueHistograms(
-                [key for key, _ in self._val_groups], self.bins, owner="GradientHistogramMonitor", strict=self.strict
-            )
-        if not self.exponents:
-            return
-        if fmt is None:
-            self.warn_once(
-                "format",
-                f"GradientHistogramMonitor: the precision plugin {type(plugin).__name__} does not compute in"
-                " fp16 or bf16; only the value histograms are written.",
-            )
-            return
-        table = ParamTable(pl_module, plugin, self.recorder.shards)
-        if not len(table):
-            self.warn_once(
-                "no half",
-                f"GradientHistogramMonitor: no parameter is computed in {fmt.name}; only the value histograms are"
-                " written.",
-            )
-            return
-        self._table = table
-        self.exponent_stat = ExponentHistograms(
-            [self._key(n) for n in table.names], fmt, owner="GradientHistogramMonitor", strict=self.strict
-        )
-        self.exponent_stat.write_legend(self.sink)
+        self.histograms.set_up(self.session, pl_module, trainer.precision_plugin)
 
-    def _key(self, param_name: str) -> str:
-        return param_name if self.group_by == "parameter" else module_name(param_name)
-
-    def _group(self, named: list[tuple[str, Tensor]]) -> list[tuple[str, list[tuple[str, Tensor]]]]:
-        groups: dict[str, list[tuple[str, Tensor]]] = {}
-        for name, p in named:
-            groups.setdefault(self._key(name), []).append((name, p))
-        return list(groups.items())
-
-    # ------------------------------------------------------------------------------------------------ hooks
-    # What decides whether a statistic is measured is the same on every rank (see UnderflowMonitor).
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        stat, table = self.exponent_stat, self._table
-        if not (self.measures(stat) and stat is not None and table is not None):
-            return
-        if not due(trainer.global_step, self.every_n_steps) or accumulating(trainer, pl_module):
-            return
-        stat.measure(self.recorder, table.grads, trainer.global_step)
+        if self.on and not accumulating(trainer, pl_module):
+            self.histograms.after_backward(self.recorder, trainer.global_step)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        step = trainer.global_step
-        if not (self.measures(self.value_stat) and self._val_groups and due(step, self.every_n_steps)):
-            return
-        grads = partial(true_gradients, trainer.precision_plugin, self._val_groups, self.recorder.shards)
-        self.value_stat.measure(self.recorder, grads, step)
-
-
-def true_gradients(
-    plugin: Any, groups: Sequence[tuple[str, Sequence[tuple[str, Tensor]]]], shards: Optional[Shards] = None
-) -> list[list[Tensor]]:
-    """The true (unscaled) gradients of each group's parameters: the masters' fp32 gradients under ``MPTPrecision``,
-    the (unscaled) ``.grad`` otherwise; this process's shards under FSDP2 (:meth:`Shards.owns`). A parameter without
-    one is left out."""
-    masters = has_masters(plugin)
-    out = []
-    for _, members in groups:
-        grads = []
-        for _, p in members:
-            m = plugin.master_of(p) if masters else p
-            g = m.grad if m.grad is not None else p.grad
-            if g is not None and (shards is None or shards.owns(p)):
-                grads.append(local_tensor(g))
-        out.append(grads)
-    return out
+        if self.on:
+            self.histograms.true_values(self.recorder, trainer.precision_plugin, trainer.global_step)

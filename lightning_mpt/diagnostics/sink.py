@@ -1,6 +1,5 @@
-"""``Sink``: where the diagnostics write. No Lightning ``Trainer`` involved: a Trainer callback, a Fabric loop or a
-plain script hands it TensorBoard ``SummaryWriter`` s and/or loggers (:meth:`Sink.for_loggers` picks them from a
-list of Lightning loggers).
+"""``Sink``: where the diagnostics write: TensorBoard ``SummaryWriter`` s and/or loggers (:meth:`Sink.for_loggers`
+picks them from a list of Lightning loggers).
 
 Example:
     ```python
@@ -30,6 +29,10 @@ from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
 from lightning_mpt._compat import event_file_writer
 from lightning_mpt.diagnostics import tags
+from lightning_mpt.diagnostics.dashboard import layout_dict
+
+#: a histogram's buckets: their right edges and their counts
+Histogram = tuple[list[float], list[float]]
 
 # SummaryWriters that hold the dashboard layout already: one layout per event-file directory, also when a second
 # fit writes to the same logger (a weak set, so that it never keeps a writer alive)
@@ -58,30 +61,24 @@ class Sink:
         self.loggers = list(loggers)
 
     @classmethod
-    def for_loggers(cls, loggers: Sequence[Any]) -> Sink:
-        """The sink of a list of Lightning loggers (``trainer.loggers``, ``fabric.loggers``): every
-        ``TensorBoardLogger`` gets everything; without one, the other loggers get the scalars.
+    def for_loggers(cls, loggers: Sequence[Any], tensorboard_logger: type[Any]) -> Sink:
+        """The sink of a list of Lightning loggers (``trainer.loggers``, ``fabric.loggers``): every logger of class
+        ``tensorboard_logger`` (Lightning's ``TensorBoardLogger``, passed in by the front-end) gets everything, through
+        its ``experiment``; without one, the other loggers get the scalars.
 
         Example:
             ```python
             import tempfile
 
-            from lightning.pytorch.loggers import TensorBoardLogger
+            from lightning.fabric.loggers import TensorBoardLogger
             from lightning_mpt.diagnostics.sink import Sink
 
             boards = [TensorBoardLogger(tempfile.mkdtemp()), TensorBoardLogger(tempfile.mkdtemp())]
-            assert Sink.for_loggers(boards).writers == [b.experiment for b in boards]
+            assert Sink.for_loggers(boards, TensorBoardLogger).writers == [b.experiment for b in boards]
             ```
         """
-        from lightning.fabric.loggers.tensorboard import TensorBoardLogger  # the Trainer's subclasses it
-
-        boards = [lg.experiment for lg in loggers if isinstance(lg, TensorBoardLogger)]
+        boards = [lg.experiment for lg in loggers if isinstance(lg, tensorboard_logger)]
         return cls(boards) if boards else cls(loggers=loggers)
-
-    @property
-    def writer(self) -> Any:
-        """The first TensorBoard ``SummaryWriter``, ``None`` without one."""
-        return self.writers[0] if self.writers else None
 
     @property
     def active(self) -> bool:
@@ -114,6 +111,26 @@ class Sink:
         for writer in self.writers:
             writer.add_histogram_raw(tag, global_step=step, **kwargs)
 
+    def histogram(
+        self, tag: str, step: int, low: float, high: float, sums: tuple[float, float, float], buckets: Histogram
+    ) -> None:
+        """A histogram from ``low`` to ``high`` with ``sums`` ``(count, sum, sum of squares)`` and ``buckets``
+        ``(right edges, counts)``; runs of empty buckets are merged (TensorBoard draws the same picture from fewer
+        bytes)."""
+        limits, counts = _merge_empty(*buckets)
+        num, total, squares = sums
+        self.histogram_raw(
+            tag,
+            step,
+            min=low,
+            max=high,
+            num=num,
+            sum=total,
+            sum_squares=squares,
+            bucket_limits=limits,
+            bucket_counts=counts,
+        )
+
     def text(self, tag: str, text: str, step: int) -> None:
         """A Markdown text for TensorBoard's Text tab (TensorBoard only; stored as ``tag + tags.TEXT_SUFFIX``)."""
         for writer in self.writers:
@@ -136,10 +153,9 @@ class Sink:
             event_file_writer(writer).add_summary(summary, step)
 
     def layout(self, charts: Optional[Iterable[str]] = None) -> bool:
-        """Write the "Mixed precision" custom-scalars layout with ``charts`` to each writer that holds none yet;
-        return whether it wrote (see :mod:`lightning_mpt.callbacks.dashboard`)."""
-        from lightning_mpt.callbacks.dashboard import layout_dict
-
+        """Write the "Mixed precision" custom-scalars layout with ``charts`` (keys of
+        :data:`~lightning_mpt.diagnostics.dashboard.CHARTS`, all by default) to each writer that holds none yet; return
+        whether it wrote."""
         charts = None if charts is None else list(charts)
         if charts == []:
             return False
@@ -150,6 +166,18 @@ class Sink:
                 _LAYOUT_WRITTEN.add(writer)
                 wrote = True
         return wrote
+
+
+def _merge_empty(limits: Sequence[float], counts: Sequence[float]) -> Histogram:
+    out_limits: list[float] = []
+    out_counts: list[float] = []
+    for limit, count in zip(limits, counts):
+        if count == 0 and out_counts and out_counts[-1] == 0:
+            out_limits[-1] = limit
+        else:
+            out_limits.append(limit)
+            out_counts.append(count)
+    return out_limits, out_counts
 
 
 def decode_record(tensor_proto: Any) -> dict[str, Any]:

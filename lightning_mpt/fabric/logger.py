@@ -1,11 +1,8 @@
 """``MixedPrecisionLogger``: the diagnostics of the Trainer callbacks for a Lightning Fabric loop.
 
-The loop calls it at the two places where the numerics of a step can be seen: after the backward that completes the
-step's gradients (the stored, scaled half gradients: fractions, exponent and value histograms) and in place of
-``optimizer.step()`` (the masters before and after the step: update underflow; the plugin's step history: loss
-scale, skipped steps, culprits). It writes the tags of :mod:`lightning_mpt.diagnostics.tags` and the "Mixed precision"
-dashboard through ``fabric.loggers``, with the statistics of :mod:`lightning_mpt.diagnostics.statistics` that the
-Trainer callbacks use: the same numbers, one host sync per logging step, and ``lightning-mpt report`` reads the logs.
+It drives the same :class:`~lightning_mpt.diagnostics.session.DiagnosticSession` and statistic sets as the Trainer
+callbacks, at the call points of a Fabric loop: the same tags and numbers, one host sync per logging step, and
+``lightning-mpt report`` reads the logs.
 
 Example:
     ```python
@@ -43,50 +40,27 @@ Example:
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Callable
 from typing import Any, Literal, Optional
 
-import torch
 from lightning.fabric import Fabric
+from lightning.fabric.loggers import TensorBoardLogger
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor, nn
 
-from lightning_mpt.core.numerics import FP16, max_abs
-from lightning_mpt.core.steps import NonFiniteGradientError
-from lightning_mpt.diagnostics import tags
-from lightning_mpt.diagnostics.sink import Sink
-from lightning_mpt.diagnostics.statistics import (
-    ExponentHistograms,
-    FlushReference,
-    LossScaleLog,
-    ParamTable,
-    Recorder,
-    ReferenceStats,
-    Shards,
-    Statistic,
-    StoredFractions,
-    UpdateUnderflow,
-    ValueHistograms,
-    describe_precision,
-    grad_scaler,
-    half_format,
-    has_masters,
-    local_tensor,
-    loss_scale,
-    module_name,
-    reference_gradients,
-    rng_state,
-)
+from lightning_mpt.core.numerics import FP16
+from lightning_mpt.diagnostics.cadence import check_every
+from lightning_mpt.diagnostics.histograms import GradientHistograms
+from lightning_mpt.diagnostics.plugin import current_scale, half_format, has_masters, steps_taken
+from lightning_mpt.diagnostics.recorder import Recorder
+from lightning_mpt.diagnostics.reference import ReferenceStats
+from lightning_mpt.diagnostics.replay import reference_gradients, rng_state
+from lightning_mpt.diagnostics.scale_tracker import ScaleTracker, Suspects
+from lightning_mpt.diagnostics.session import DiagnosticSession
+from lightning_mpt.diagnostics.statistic import Statistic
+from lightning_mpt.diagnostics.underflow import UnderflowStatistics
 
 __all__ = ["MixedPrecisionLogger"]
-
-
-def sink_for_fabric(fabric: Fabric) -> Sink:
-    """Every TensorBoard ``SummaryWriter`` of Fabric's loggers on global rank 0 (else its other loggers), nothing
-    elsewhere."""
-    return Sink.for_loggers(fabric.loggers) if fabric.is_global_zero else Sink()
 
 
 class MixedPrecisionLogger:
@@ -146,9 +120,12 @@ class MixedPrecisionLogger:
             tag; read from ``MPTPrecision``'s step count at the first call (so a run resumed with ``fabric.load``
             continues its axis), counted by :meth:`step` otherwise. Set it to continue another count.
         last_reference: the latest :class:`~lightning_mpt.callbacks.ReferenceStats`, on every process.
-        recorder: the :class:`~lightning_mpt.diagnostics.statistics.Recorder` (``recorder.syncs`` counts host reads).
-        stored_stat, update_stat, value_stat, exponent_stat, reference_stat, scale_log: the statistics (``None`` when
-            not measured); ``stat.enabled`` is ``False`` once one failed.
+        recorder: the :class:`~lightning_mpt.diagnostics.recorder.Recorder` (``recorder.syncs`` counts host reads).
+        scale, underflow, histograms: the statistic sets
+            (:class:`~lightning_mpt.diagnostics.scale_tracker.ScaleTracker`,
+            :class:`~lightning_mpt.diagnostics.underflow.UnderflowStatistics`,
+            :class:`~lightning_mpt.diagnostics.histograms.GradientHistograms`); a statistic's ``enabled`` is
+            ``False`` once it failed (``underflow.reference_stat.enabled``).
     """
 
     def __init__(
@@ -165,198 +142,118 @@ class MixedPrecisionLogger:
         max_names: int = 10,
         strict: Optional[bool] = None,
     ) -> None:
-        self.every_n_steps = _check("every_n_steps", every_n_steps)
-        self.histograms_every_n_steps = _check("histograms_every_n_steps", histograms_every_n_steps, zero=True)
-        self.scale_every_n_steps = _check("scale_every_n_steps", scale_every_n_steps)
-        if group_by not in ("parameter", "module"):
-            raise ValueError(f"MixedPrecisionLogger(group_by={group_by!r}): expected 'parameter' or 'module'.")
-        _check("bins", bins)
-        _check("max_names", max_names)
+        owner = type(self).__name__
+        self.every_n_steps = check_every(owner, "every_n_steps", every_n_steps)
+        self.histograms_every_n_steps = check_every(
+            owner, "histograms_every_n_steps", histograms_every_n_steps, allow_zero=True
+        )
+        self.scale_every_n_steps = check_every(owner, "scale_every_n_steps", scale_every_n_steps)
+        self.histograms = GradientHistograms(self.histograms_every_n_steps, group_by, bins, owner=owner, strict=strict)
+        self.scale = ScaleTracker(self.scale_every_n_steps, check_every(owner, "max_names", max_names), owner, strict)
+        self.underflow = UnderflowStatistics(self.every_n_steps, per_parameter, update_underflow, owner, strict)
         self.fabric = fabric
         self.module: nn.Module = model.module if is_wrapped(model) and isinstance(model.module, nn.Module) else model
         self.plugin: Any = fabric.strategy.precision
         self.strict = strict
         self.global_step = 0
+        self.session = DiagnosticSession.for_loggers(
+            fabric.loggers, TensorBoardLogger, fabric.is_global_zero, owner, strict
+        )
+        self.recorder: Recorder = self.session.recorder
         self.last_reference: Optional[ReferenceStats] = None
+        self.setup_stat = Statistic(owner, "the set-up", strict)
         self._started = False
         self._measured: Optional[int] = None  # the step whose gradients after_backward measured
-        self._loss_finite: Optional[Tensor] = None  # GradScaler: the step's loss was finite (on the device)
-        self._warned: set[str] = set()
-        owner = type(self).__name__
-        self.setup_stat = Statistic(owner, "the set-up", strict)
-        self.stored_stat: Optional[StoredFractions] = None
-        self.update_stat: Optional[UpdateUnderflow] = None
-        self.exponent_stat: Optional[ExponentHistograms] = None
-        self.reference_stat: Optional[FlushReference] = None
-        self.value_stat = ValueHistograms([], bins, owner, strict)
-        self.scale_log = LossScaleLog(self.scale_every_n_steps, max_names, owner, strict)
-        self._table: Optional[ParamTable] = None
-        self._groups: list[tuple[str, list[tuple[str, Tensor]]]] = []
-        self.recorder = Recorder(sink_for_fabric(fabric))
+        self._loss: Optional[Tensor] = None  # GradScaler: the step's loss, read at an overflow only
         with self.setup_stat.guarded():
-            self._set_up(per_parameter, update_underflow, group_by, bins)
+            self._set_up()
 
-    @property
-    def sink(self) -> Sink:
-        return self.recorder.sink
-
-    # ------------------------------------------------------------------------------------------------ set-up
-    def _set_up(self, per_parameter: bool, update_underflow: bool, group_by: str, bins: int) -> None:
-        owner, strict, plugin, module = type(self).__name__, self.strict, self.plugin, self.module
-        try:
-            shards = Shards.of(list(module.parameters()))
-        except ValueError:
-            self.recorder.active = False  # local numbers of shards would be wrong numbers: measure nothing
-            raise
-        if shards is not None:
-            self.recorder.shards = shards
-            self.recorder.active = bool(self.fabric.loggers)
-        if self.fabric.is_global_zero and not self.sink.active:
-            self._warn("logger", f"{owner}: the Fabric has no logger; nothing will be recorded.")
-        header = Statistic(owner, f"the dashboard layout and the {tags.RUN_RECORD} record", strict)
-        with header.guarded():
-            self.sink.layout()  # every chart: the three callbacks' dashboard
-            self.sink.record(tags.RUN_RECORD, {**describe_precision(plugin), "monitors": [owner]}, 0)
-        key = (lambda n: n) if group_by == "parameter" else module_name
-        groups: dict[str, list[tuple[str, Tensor]]] = {}
-        for name, p in module.named_parameters():
-            groups.setdefault(key(name), []).append((name, p))
-        self._groups = list(groups.items())
-        if self.histograms_every_n_steps:
-            self.value_stat = ValueHistograms(list(groups), bins, owner, strict)
-        fmt = half_format(plugin)
-        if fmt is FP16 and not has_masters(plugin) and grad_scaler(plugin) is None:
-            self._warn(
-                "scaler",
-                f"{owner}: the precision plugin {type(plugin).__name__} ({getattr(plugin, 'precision', '?')}) has no "
-                "loss scaler; the loss scale is not logged.",
-            )
-        if fmt is None:
-            self._warn(
-                "format",
-                f"{owner}: the precision plugin {type(plugin).__name__} does not compute in fp16 or bf16; only the "
-                "value histograms are written. Use MPTPrecision('fp16'/'bf16') or precision='16-mixed'/'bf16-mixed'.",
-            )
-            return
-        table = ParamTable(module, plugin, shards)
-        if not len(table):
-            self._warn(
-                "no half", f"{owner}: no parameter is computed in {fmt.name}; only the value histograms are written."
-            )
-            return
-        self._table = table
-        self.stored_stat = StoredFractions(table.names, fmt, per_parameter, owner, strict)
-        if update_underflow:
-            self.update_stat = UpdateUnderflow(table.names, fmt, per_parameter, owner, strict)
-        if self.histograms_every_n_steps:
-            self.exponent_stat = ExponentHistograms([key(n) for n in table.names], fmt, owner, strict)
-            self.exponent_stat.write_legend(self.sink)
-        self.reference_stat = FlushReference(table.names, fmt, per_parameter, owner, strict)
+    def _set_up(self) -> None:
+        session, plugin, module, owner = self.session, self.plugin, self.module, type(self).__name__
+        session.shard(module, bool(self.fabric.loggers))
+        session.warn_without_logger(owner, "Fabric")
+        session.write_header(plugin, None, [owner], 0)  # every chart: the three callbacks' dashboard
+        self.histograms.set_up(session, module, plugin)
+        if half_format(plugin) is FP16 and ScaleTracker.source_of(plugin) is None:
+            session.warn_once(self.scale.without_scale(plugin))
+        self.underflow.set_up(session, module, plugin)
 
     def _start(self) -> None:
-        """At the first call: where the step count stands (a run resumed with ``fabric.load`` continues it)."""
+        """At the first call: where the plugin stands (a run resumed with ``fabric.load`` continues its step count)."""
         if self._started:
             return
         self._started = True
+        self.scale.start(self.plugin)
         if has_masters(self.plugin):
-            last = self.plugin.last_step
-            self.global_step = last.step + 1 if last is not None else int(self.plugin.state_dict().get("steps", 0))
-            self.scale_log.seen = self.global_step - 1
-            self.scale_log.overflows = int(self.plugin.skipped_steps)
+            self.global_step = steps_taken(self.plugin)
 
-    def _measures(self, stat: Optional[Statistic]) -> bool:
-        return (
-            stat is not None
-            and (self.setup_stat.enabled or self.recorder.sharded)
-            and self.recorder.active
-            and self.recorder.live(stat)
-        )
+    @property
+    def _on(self) -> bool:
+        return self.setup_stat.enabled or self.recorder.sharded
 
-    # ------------------------------------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------------------------------------ call points
     def after_backward(self, loss: Optional[Tensor] = None) -> None:
         """Measure the stored gradients of the current step: call it after ``fabric.backward`` of the step's last
         micro-batch, before ``fabric.clip_gradients`` and :meth:`step` (which unscale them).
 
-        ``loss``: the step's loss, under a ``GradScaler`` only (``MPTPrecision`` records it itself): at an overflow
-        the records say whether the loss itself was non-finite (kept on the device, read at overflows only).
+        Args:
+            loss: the step's loss, under a ``GradScaler`` only (``MPTPrecision`` records it itself): at an overflow
+                the records say whether the loss itself was non-finite.
         """
         self._start()
         step = self.global_step
         if loss is not None and not has_masters(self.plugin):
-            self._loss_finite = torch.isfinite(loss.detach()).all()
+            self._loss = loss.detach()
         if self._measured == step:
-            self._warn(
-                "twice",
+            self.session.warn_once(
                 f"{type(self).__name__}.after_backward was called twice in step {step}; the gradients are measured at "
                 "the first call. With gradient accumulation call it after the last micro-batch's backward only.",
+                key="after_backward twice",
             )
             return
         self._measured = step
-        table = self._table
-        if table is not None and _due(step, self.every_n_steps) and self._measures(self.stored_stat):
-            self.stored_stat.measure(self.recorder, table.grads, step)  # type: ignore[union-attr]  # _measures
-        if not _due(step, self.histograms_every_n_steps):
-            return
-        if table is not None and self._measures(self.exponent_stat):
-            self.exponent_stat.measure(self.recorder, table.grads, step)  # type: ignore[union-attr]  # _measures
-        if self._groups and self._measures(self.value_stat):
-            grads = partial(_stored_gradients, self._groups, self.recorder.shards)
-            self.value_stat.measure(self.recorder, grads, step, scale=loss_scale(self.plugin))
+        if self._on:
+            self.underflow.after_backward(self.recorder, step)
+            self.histograms.after_backward(self.recorder, step)
+            self.histograms.stored_values(self.recorder, self.plugin, step)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """``optimizer.step(*args, **kwargs)`` (the optimizer ``fabric.setup`` returned) with the measurements around
         it, then one host read for everything the step queued. Returns what ``optimizer.step`` returned."""
         self._start()
         step, plugin = self.global_step, self.plugin
-        if self._table is not None and _due(step, self.every_n_steps) and self._measures(self.update_stat):
-            self.update_stat.snapshot(partial(self._table.masters, plugin), step)  # type: ignore[union-attr]
-        scaler = grad_scaler(plugin)
-        before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        if self._on:
+            self.underflow.before_step(self.recorder, plugin, step)
+        self.scale.before_step(self.session.sink, plugin, step)
         try:
             output = optimizer.step(*args, **kwargs)
         except Exception as error:
             self._stopped(error)
             raise
-        if self.update_stat is not None:
-            self.update_stat.measure(self.recorder)
-        if has_masters(plugin):
-            self.scale_log.history(self.sink, plugin.history, plugin.loss_scale)
-            last = plugin.last_step
-            self.global_step = (last.step if last is not None else step) + 1
-        else:
-            if before is not None and scaler is not None:
-                after = scaler.get_scale()
-                overflow = after < before  # GradScaler backs off at every overflow, and only then
-                names, loss_finite = self._causes() if overflow and self.sink.active else ([], None)
-                self.scale_log.step(self.sink, step, before, after, overflow, lambda: names, loss_finite)
-            self._loss_finite = None
-            self.global_step = step + 1
+        self.underflow.after_step(self.recorder)
+        self.scale.after_steps(self.session.sink, plugin, lambda: Suspects.in_module(self.module), self._loss)
+        self._loss = None
+        self.global_step = steps_taken(plugin) if has_masters(plugin) else step + 1
         self.recorder.flush()
         return output
 
     def reference(self, loss_fn: Callable[..., Any], *args: Any) -> Optional[ReferenceStats]:
         """The fp32 reference of a batch: ``loss_fn(module, *args)`` with the module's weights replaced by the fp32
-        masters, in fp32 (autocast off, floating inputs cast), differentiated with ``torch.autograd.grad``; logs
-        ``mpt/grad_underflow_fraction`` (global, per parameter) and ``mpt/scale_headroom`` at the current step, at the
-        loss scale the step's backward uses. Returns the counts (``None`` when off).
+        masters, in fp32, differentiated with ``torch.autograd.grad``; logs ``mpt/grad_underflow_fraction`` (global,
+        per parameter) and ``mpt/scale_headroom`` at the current step and loss scale. Returns the counts (``None``
+        when off).
 
         Call it before the step's forward: the random state is restored afterwards, so the real forward draws the
-        same random numbers (dropout masks) as the reference did. It leaves weights, gradients, optimizer state,
-        buffers and torchmetrics states as they were. Costs about one fp32 forward and backward. Under DDP and FSDP2
-        every process must call it at the same steps; a failure on one turns it off on all. Under FSDP2 each process
-        gathers the whole fp32 weights for it (a collective, and a transient fp32 copy of the model and of its
-        gradients per process; see :class:`~lightning_mpt.callbacks.UnderflowMonitor`), so the figures equal DDP's.
+        same random numbers (dropout masks). It leaves weights, gradients, optimizer state, buffers and torchmetrics
+        states as they were and costs about one fp32 forward and backward. Under DDP and FSDP2 every process must call
+        it at the same steps; a failure on one turns it off on all.
         """
         self._start()
-        stat, table = self.reference_stat, self._table
-        if stat is None or table is None or stat.retired:  # the same on every process: they measure together
-            return None
-        module, plugin = self.module, self.plugin
-        strategy = self.fabric.strategy
-        result = stat.measure(
+        module, plugin, strategy = self.module, self.plugin, self.fabric.strategy
+        result = self.underflow.measure_reference(
             self.recorder,
-            lambda: reference_gradients(module, table, plugin, loss_fn, args, rng=rng_state()),
-            loss_scale_now(plugin),
+            lambda table: reference_gradients(module, table, plugin, loss_fn, args, rng=rng_state()),
+            current_scale(plugin),
             self.global_step,
             lambda ok: bool(strategy.reduce_boolean_decision(ok, all=True)),
         )
@@ -367,67 +264,15 @@ class MixedPrecisionLogger:
     def finalize(self) -> None:
         """At the end of training: the overflow summary (the text ``mpt/overflow_summary`` when there were skipped
         steps, the record ``mpt/data/overflow_summary``) and whatever is still queued, written to disk."""
-        self.scale_log.summary(self.sink, self.global_step)
+        self._start()
+        self.scale.summary(self.session.sink, self.global_step)
         self.recorder.flush()
-        self.sink.flush()
+        self.session.sink.flush()
 
-    # ------------------------------------------------------------------------------------------------ internals
     def _stopped(self, error: BaseException) -> None:
         """``optimizer.step`` raised: log the steps taken (the one that tripped ``MPTPrecision``'s guard among them),
         the stop, and the summary; drop the rest."""
-        plugin = self.plugin
-        if self.update_stat is not None:
-            self.update_stat.discard()
+        self.underflow.release()
         self.recorder.clear()
-        if has_masters(plugin):
-            self.scale_log.history(self.sink, plugin.history, plugin.loss_scale)
-            last = plugin.last_step
-            if isinstance(error, NonFiniteGradientError):
-                self.scale_log.stopped(self.sink, last.step if last is not None else self.global_step, error)
-        self.scale_log.summary(self.sink, self.global_step)
-        self.sink.flush()  # the error may end the process: the stop is on disk first
-
-    def _causes(self) -> tuple[list[str], Optional[bool]]:
-        """At a GradScaler overflow: the parameters whose gradients hold inf/NaN and whether the loss was finite
-        (``None``: not given), with one host read (those steps only)."""
-        named = [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]
-        parts = [(~torch.isfinite(max_abs([local_tensor(g) for _, g in named]))).float()] if named else []
-        if self._loss_finite is not None:
-            parts.append(self._loss_finite.float().reshape(1).to(parts[0].device if parts else "cpu"))
-        values = torch.cat(parts).tolist() if parts else []
-        loss_finite = values[-1] > 0 if self._loss_finite is not None else None
-        return [n for (n, _), bad in zip(named, values) if bad], loss_finite
-
-    def _warn(self, key: str, message: str) -> None:
-        if key not in self._warned and self.fabric.is_global_zero:
-            self._warned.add(key)
-            warnings.warn(message, stacklevel=3)
-
-
-def loss_scale_now(plugin: Any) -> float:
-    """The loss scale the next backward uses: the scale in force now (1.0 without one)."""
-    if has_masters(plugin):
-        return float(plugin.loss_scale)
-    scaler = grad_scaler(plugin)
-    return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
-
-
-def _stored_gradients(
-    groups: Sequence[tuple[str, Sequence[tuple[str, Tensor]]]], shards: Optional[Shards]
-) -> list[list[Tensor]]:
-    """Each group's stored gradients (scaled; this process's shards under FSDP2)."""
-    return [
-        [local_tensor(p.grad) for _, p in members if p.grad is not None and (shards is None or shards.owns(p))]
-        for _, members in groups
-    ]
-
-
-def _due(step: int, every: int) -> bool:
-    return every > 0 and step % every == 0
-
-
-def _check(name: str, value: Any, zero: bool = False) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or (zero and value == 0)):
-        return value
-    accepted = "an int >= 1" + (" or 0 (off)" if zero else "")
-    raise ValueError(f"MixedPrecisionLogger({name}={value!r}): expected {accepted}.")
+        self.scale.stopped(self.session.sink, self.plugin, error, self.global_step)
+        self.session.sink.flush()  # the error may end the process: the stop is on disk first

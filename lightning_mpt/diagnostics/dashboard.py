@@ -1,13 +1,11 @@
 """The "Mixed precision" custom-scalars dashboard: its charts, and the layout TensorBoard's Custom Scalars tab reads.
 
-The layout is written once per run (per ``SummaryWriter``: with several TensorBoard loggers, once in each one's
-directory) with ``SummaryWriter.add_custom_scalars``, by the group of monitors of a Trainer (see
-:mod:`lightning_mpt.callbacks._common`); it holds the charts of the monitors present. The tag names are those of
-:mod:`lightning_mpt.diagnostics.tags`.
+:meth:`~lightning_mpt.diagnostics.sink.Sink.layout` writes it once per ``SummaryWriter`` with the charts of the
+monitors present (every chart for Fabric's ``MixedPrecisionLogger``).
 
 Example:
     ```python
-    from lightning_mpt.callbacks.dashboard import CATEGORY, layout_dict, mixed_precision_layout
+    from lightning_mpt.diagnostics.dashboard import CATEGORY, layout_dict, mixed_precision_layout
     layout = mixed_precision_layout()
     assert layout.category[0].title == CATEGORY == "Mixed precision"
     assert layout_dict(["scale"]) == {"Mixed precision": {"Loss scale": ["Multiline", ["mpt/loss_scale$"]]}}
