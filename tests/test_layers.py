@@ -21,7 +21,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mpt"
 
 TRAINER = ("lightning_mpt.precision", "lightning_mpt.callbacks", "lightning_mpt._averaging")
 FABRIC = ("lightning_mpt.fabric",)
-BELOW_ADAPTERS = ("lightning_mpt._plugin", "lightning_mpt.report", "lightning_mpt.report_plots", "lightning_mpt.cli")
+BELOW_ADAPTERS = (
+    "lightning_mpt._plugin",
+    "lightning_mpt.report",
+    "lightning_mpt.report_events",
+    "lightning_mpt.report_plots",
+    "lightning_mpt.cli",
+)
 
 # layer (a path prefix under lightning_mpt/) -> module prefixes it must not import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
@@ -33,6 +39,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "_averaging.py": FABRIC,
     "fabric/": ("lightning.pytorch", *TRAINER),
     "report.py": ("lightning", *TRAINER, *FABRIC),
+    "report_events.py": ("lightning", *TRAINER, *FABRIC),
     "report_plots.py": ("lightning", *TRAINER, *FABRIC),
     "cli.py": ("lightning", *TRAINER, *FABRIC),
 }
