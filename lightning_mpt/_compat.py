@@ -26,25 +26,19 @@ from torch.optim import Optimizer
 GRAD_DTYPE = hasattr(Tensor, "grad_dtype")
 
 
-def unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    """Multiply ``grads`` by ``inv_scale`` in place and set ``found_inf`` if any value is non-finite: the fused kernel
-    behind ``torch.amp.GradScaler.unscale_`` (torch >= 1.10), one launch per device and dtype, no host sync."""
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+# The fused kernels of the step, bound as they are (no wrapper call per use on the hot path). Why private: torch's
+# ``GradScaler`` and ``clip_grad_norm_`` use these same ops and expose no public equivalent; ``torch._foreach_*`` exist
+# since torch 1.7 (``_foreach_copy_`` since 2.1) and the fused unscale since 1.10.
 
-
-def foreach_copy_(dst: list[Tensor], src: list[Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i in one fused launch, casting as needed (torch >= 2.1)."""
-    torch._foreach_copy_(dst, src)
-
-
-def foreach_sub_(dst: list[Tensor], src: list[Tensor]) -> None:
-    """``dst[i] -= src[i]`` in one fused launch (torch >= 1.7)."""
-    torch._foreach_sub_(dst, src)
-
-
-def foreach_mul_(tensors: list[Tensor], factor: float) -> None:
-    """``t *= factor`` for all tensors in one fused launch (torch >= 1.7)."""
-    torch._foreach_mul_(tensors, factor)
+#: ``grads[i] *= inv_scale`` in place, ``found_inf`` set where a value is non-finite: behind ``GradScaler.unscale_``;
+#: one launch per device and dtype, no host sync. Called as ``unscale_(grads, found_inf, inv_scale)``.
+unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+#: ``dst[i].copy_(src[i])`` in one fused launch, casting as needed.
+foreach_copy_ = torch._foreach_copy_
+#: ``dst[i] -= src[i]`` in one fused launch.
+foreach_sub_ = torch._foreach_sub_
+#: ``t *= factor`` for every tensor, in one fused launch.
+foreach_mul_ = torch._foreach_mul_
 
 
 def version(tensor: Tensor) -> int:

@@ -277,9 +277,10 @@ class MixedPrecisionEngine:
         """``(skip, loss_finite, edit flags)`` in one host sync. ``skip`` and ``loss_finite`` are all-reduced across
         processes, so every rank takes the same decision; the edit flags are this process's own."""
         loss_finite, self._loss_finite = self._loss_finite, None
-        if found_inf is None and loss_finite is None and edited is None:
+        present = [t for t in (found_inf, loss_finite, edited) if t is not None]
+        if not present:
             return False, True, []
-        device = next(t.device for t in (found_inf, loss_finite, edited) if t is not None)
+        device = present[0].device
         zero = torch.zeros((), device=device)
         flags = torch.stack([
             zero if found_inf is None else (found_inf.to(device) > 0).float(),

@@ -1,0 +1,303 @@
+"""The gradients' way through a step with fp32 master copies: half and scaled after the backward, fp32 and unscaled
+on the masters for the optimizer, released (or scaled again) before the next forward. :class:`GradientFlow` holds the
+step's verbs of :class:`~lightning_mpt.core.masters.copies.CopyMasters`."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mpt import _compat
+from lightning_mpt.core.masters import Gradients
+from lightning_mpt.core.masters._edits import edit_flags
+from lightning_mpt.core.masters._groups import GroupSwap
+
+_SPARSE = "MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False)."
+
+
+class GradientFlow:
+    """The step's verbs of the copy masters: :meth:`prepare`, :meth:`enter`, :meth:`exit`, :meth:`discard`,
+    :meth:`rescale`, :meth:`release`, :meth:`accumulate_in_fp32` (see :class:`~lightning_mpt.core.masters.Masters`)."""
+
+    dtype: torch.dtype
+    enabled: bool
+    masters: dict[Tensor, Tensor]
+    converted: dict[Tensor, None]
+    groups: GroupSwap
+    _kept: list[Gradients]  # steps whose masters keep their fp32 gradients until the next forward
+
+    def add_master(self, param: Tensor, master: Tensor) -> None:
+        raise NotImplementedError
+
+    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
+        """Copy ``optimizer``'s half gradients into fp32 master gradients and unscale everything by ``1/scale``.
+
+        Gradients of fp32 parameters are unscaled in place. No host sync: ``found_inf`` and ``edited`` stay on the
+        device. A parameter without a gradient gets none on its master either, so the optimizer leaves it alone.
+        """
+        out = Gradients(optimizer=optimizer)
+        plan = self.groups.plan(optimizer)
+        unfrozen = [p for p in plan.frozen if p.grad is not None] if self.enabled else []
+        if unfrozen:  # frozen at conversion, trainable now: its master starts from its half value
+            for p in unfrozen:
+                self.add_master(p, p.detach().float())
+            plan = self.groups.plan(optimizer)
+        for p, master in plan.pairs:
+            grad = p.grad
+            if grad is None:
+                master.grad = None
+            elif grad.is_sparse:
+                raise RuntimeError(_SPARSE)
+            else:
+                out.params.append(p)
+                out.masters.append(master)
+        for p in plan.own:
+            grad = p.grad
+            if grad is not None:
+                if grad.is_sparse:
+                    raise RuntimeError(_SPARSE)
+                out.own_params.append(p)
+        edited = []
+        for start, stop in _chunks(out.params):
+            edited.append(self._to_fp32(out, start, stop, check_edits))
+        if check_edits and edited:
+            out.edited = torch.cat(edited)
+        out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale, plan.device)
+        if not _compat.GRAD_DTYPE and out.on_params:
+            _compat.foreach_copy_(out.on_params, out.master_grads)  # hooks see the unscaled values, in the half format
+        if not _compat.GRAD_DTYPE:  # hooks edit the half copies; clipping edits the master gradients
+            out.on_params_versions = [_compat.version(g) for g in out.on_params]
+            out.master_versions = [_compat.version(g) for g in out.master_grads]
+        return out
+
+    def _to_fp32(self, out: Gradients, start: int, stop: int, check_edits: bool) -> Tensor:
+        """Give ``out.params[start:stop]`` fp32 gradients (on their masters, and on themselves where torch allows it,
+        which frees the half ones at once); the half gradients, dead once copied, are the scratch space of the check
+        for edited weights, whose flags are returned."""
+        params, masters = out.params[start:stop], out.masters[start:stop]
+        halves: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]  # prepare kept those with one
+        # few Python objects and calls per step: every container allocated counts toward the cyclic garbage
+        # collector's next pass, which walks the whole process (Lightning's object graph)
+        usual = True
+        for g, p in zip(halves, params):
+            if g.dtype != p.dtype or not g.is_contiguous():
+                usual = False
+                break
+        if usual:  # every gradient in its parameter's half format, as autograd leaves it
+            fp32 = [torch.empty_like(m) for m in masters]
+            _compat.foreach_copy_(fp32, halves)
+        else:  # a gradient already fp32 (left by the last step and accumulated into) is used in place
+            fp32 = [g if g.dtype == torch.float32 else torch.empty_like(m) for g, m in zip(halves, masters)]
+            todo = [i for i, (f, g) in enumerate(zip(fp32, halves)) if f is not g]
+            if todo:
+                _compat.foreach_copy_([fp32[i] for i in todo], [halves[i] for i in todo])
+        flags = torch.zeros(0, dtype=torch.bool, device=params[0].device)
+        if check_edits:
+            scratch = (
+                halves
+                if usual
+                else [
+                    g if g.dtype == p.dtype and g.is_contiguous() else torch.empty_like(p)
+                    for g, p in zip(halves, params)
+                ]
+            )
+            flags = edit_flags(params, masters, scratch)
+        if _compat.GRAD_DTYPE:  # the parameters carry the fp32 gradients (their half ones are freed now)
+            for p, m, f in zip(params, masters, fp32):
+                if p.grad_dtype is not None:
+                    p.grad_dtype = None
+                p.grad = f
+                m.grad = f
+        else:  # the parameters keep their half gradients, which will show the unscaled values
+            for m, f in zip(masters, fp32):
+                m.grad = f
+        out.master_grads.extend(fp32)
+        out.on_params.extend(fp32 if _compat.GRAD_DTYPE else halves)
+        return flags
+
+    def sync_edits(self, grads: Gradients) -> None:
+        """Make the master gradients what hooks left on the parameters since :meth:`prepare`: a gradient edited in
+        place (torch < 2.13 shows half copies), assigned, or set to ``None`` (then the optimizer skips it)."""
+        if _compat.GRAD_DTYPE:  # the parameters show the master gradients themselves: only reassignments matter
+            for i, (p, mg) in enumerate(zip(grads.params, grads.master_grads)):
+                now = p.grad
+                if now is not mg:
+                    if now is None:
+                        grads.masters[i].grad = None
+                    else:
+                        mg.copy_(now)
+            return
+        for i, (p, shown, v) in enumerate(zip(grads.params, grads.on_params, grads.on_params_versions)):
+            now, master_grad = p.grad, grads.master_grads[i]
+            if now is master_grad or (now is shown and _compat.version(shown) == v):
+                continue
+            if now is None:
+                grads.masters[i].grad = None
+            else:
+                master_grad.copy_(now)
+            if now is shown:
+                grads.on_params_versions[i] = _compat.version(shown)
+
+    def enter(self, optimizer: Optimizer, grads: Gradients) -> None:
+        """Hand the masters to ``optimizer`` for its step."""
+        self.sync_edits(grads)
+        self.groups.swap(optimizer, True)
+        grads.entered = True
+
+    def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
+        """Give ``optimizer`` its parameters back and refresh the half weights from the masters.
+
+        The parameters' gradients show what was stepped (clipped values included). After a step (``stepped``) each
+        master keeps the fp32 gradient it was stepped with until :meth:`release` (the next forward).
+        """
+        self.groups.swap(optimizer, False)
+        self._show_clipping(grads)
+        if stepped:
+            self._kept.append(grads)
+        else:
+            for m in grads.masters:
+                m.grad = None
+        _write_halves(grads.params, grads.masters)
+        grads.entered = False
+
+    def accumulate_in_fp32(self, sync: bool) -> None:
+        """Before a backward: give the half parameters fp32 gradients for autograd to accumulate into (zeros at the
+        start of a window), so micro-batches are summed in fp32, not in the half format (torch >= 2.13).
+
+        ``sync``: the backward reduces gradients across processes (DDP's last micro-batch); the reducer insists on
+        the parameter's dtype, so the fp32 sum so far goes back to the half format, rounded once.
+        """
+        for p, m in self.masters.items():
+            g = p.grad
+            if sync:
+                _set_grad(p, None if g is None else g.to(p.dtype))
+            elif g is None or g.dtype != torch.float32:
+                _set_grad(p, torch.zeros_like(m) if g is None else g.float())
+
+    def rescale(self, grads: Gradients, scale: float) -> None:
+        """Before a backward: the unscaled gradients that ``grads`` left on its parameters (a step decided but not
+        taken, or taken and not zeroed) are multiplied by ``scale``, the new backward's, in their parameters' own
+        format, so the backward accumulates into them as into any gradient, as under "32-true" (clipping done
+        meanwhile is kept). A gradient zeroed or dropped since stays so."""
+        self._show_clipping(grads)
+        rest = [p.grad for p in grads.own_params if p.grad is not None]
+        for i, (p, m, mg) in enumerate(zip(grads.params, grads.masters, grads.master_grads)):
+            m.grad = None
+            g = p.grad
+            if g is mg or (g is not None and _is_faithful_copy(grads, i, g)):
+                _set_grad(p, mg.mul_(scale).to(p.dtype))  # scaled before it is rounded, so small values survive
+            elif g is not None:
+                rest.append(g)
+        if rest and scale != 1.0:
+            _compat.foreach_mul_(rest, scale)
+
+    @staticmethod
+    def _show_clipping(grads: Gradients) -> None:
+        """torch < 2.13: the half copies shown on the parameters learn of clipping done to the master gradients."""
+        if _compat.GRAD_DTYPE:
+            return
+        for i, (shown, mg, v) in enumerate(zip(grads.on_params, grads.master_grads, grads.master_versions)):
+            if _compat.version(mg) != v:
+                shown.copy_(mg)
+                grads.master_versions[i] = _compat.version(mg)
+                grads.on_params_versions[i] = _compat.version(shown)
+
+    def discard(self, grads: Gradients) -> None:
+        """A skipped step: drop every gradient it grads, the parameters' own included."""
+        for m in grads.masters:
+            m.grad = None
+        for p in grads.params:
+            _set_grad(p, None)
+        for p in grads.own_params:
+            p.grad = None
+
+    def release(self, drop: bool) -> None:
+        """Release the fp32 gradients that the masters kept from the last step(s).
+
+        ``drop``: also drop them from the module's parameters (Lightning's automatic optimization zeroes them before
+        the next backward anyway), so they do not add to the next forward's memory. Otherwise a parameter still
+        holding an fp32 gradient gets it back in its own half format, so that the next backward (and DDP's reducer,
+        which insists on the parameter's dtype) accumulates into it as usual.
+        """
+        for grads in self._kept:
+            for p, m, mg in zip(grads.params, grads.masters, grads.master_grads):
+                m.grad = None
+                g = p.grad
+                if g is mg:
+                    _set_grad(p, None if drop else mg.to(p.dtype))
+                elif g is None and _compat.GRAD_DTYPE and p.grad_dtype is None:
+                    p.grad_dtype = (
+                        p.dtype
+                    )  # zero_grad dropped the fp32 gradient: autograd casts to the half format again
+        self._kept.clear()
+
+
+def _chunks(params: list[Tensor], budget: int = 2**24) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` index ranges of ``params`` holding about ``budget`` elements each: the half gradients of one
+    range are freed before the fp32 ones of the next are allocated, so the step's peak stays near 18 bytes per
+    parameter (plus one range), not 20."""
+    start, size = 0, 0
+    for i, p in enumerate(params):
+        size += p.numel()
+        if size >= budget:
+            yield start, i + 1
+            start, size = i + 1, 0
+    if start < len(params):
+        yield start, len(params)
+
+
+def _set_grad(p: Tensor, grad: Optional[Tensor]) -> None:
+    """Give the half parameter ``p`` the gradient ``grad``. One of another dtype (its fp32 gradient at the step) needs
+    ``grad_dtype = None`` (torch >= 2.13); otherwise the parameter's own dtype is pinned again, so that autograd casts
+    what it accumulates there (and DDP's reducer gets the dtype it insists on)."""
+    if _compat.GRAD_DTYPE:
+        if grad is not None and grad.dtype != p.dtype:
+            if p.grad_dtype is not None:
+                p.grad_dtype = None
+        elif p.grad_dtype is None:
+            p.grad = None  # a gradient of the other dtype may still be there
+            p.grad_dtype = p.dtype
+    p.grad = grad
+
+
+def _write_halves(params: list[Tensor], masters: list[Tensor]) -> None:
+    """Round the masters into their half parameters, in one foreach copy."""
+    if params:
+        with torch.no_grad():
+            _compat.foreach_copy_(params, masters)
+
+
+def _by_device(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return groups
+
+
+def _unscale_(grads: list[Tensor], inv_scale: float, device: Optional[torch.device] = None) -> Optional[Tensor]:
+    """Multiply ``grads`` by ``inv_scale`` in place with the fused AMP kernel; return the non-finite flag.
+
+    ``device``: the one device all ``grads`` are on, when known (skips grouping them).
+    """
+    if not grads:
+        return None
+    groups = [(device, grads)] if device is not None else [(d, g) for (d, _), g in _by_device(grads).items()]
+    found: Optional[Tensor] = None
+    for dev, group in groups:
+        found_inf = torch.zeros((), device=dev)
+        _compat.unscale_(group, found_inf, torch.full((), inv_scale, device=dev))
+        found = found_inf if found is None else found + found_inf.to(found.device)
+    return found
+
+
+def _is_faithful_copy(grads: Gradients, i: int, grad: Tensor) -> bool:
+    """torch < 2.13: whether ``grad`` is the half copy of master gradient ``i`` shown on its parameter, untouched
+    since it was written (so the master gradient holds the same values, unrounded)."""
+    return (
+        not _compat.GRAD_DTYPE and grad is grads.on_params[i] and _compat.version(grad) == grads.on_params_versions[i]
+    )
