@@ -27,7 +27,7 @@ from lightning_mpt.callbacks import (
     UnderflowMonitor,
     tensor_core_report,
 )
-from lightning_mpt.callbacks._common import Monitor
+from lightning_mpt.callbacks._monitor import Monitor
 from lightning_mpt.core.numerics import FP16, flush_counts
 from lightning_mpt.diagnostics.recorder import Recorder
 from lightning_mpt.diagnostics.sink import Sink

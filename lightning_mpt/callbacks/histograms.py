@@ -7,7 +7,7 @@ from typing import Literal, Optional
 import lightning.pytorch as pl
 from torch.optim import Optimizer
 
-from lightning_mpt.callbacks._common import Monitor, accumulating
+from lightning_mpt.callbacks._monitor import Monitor, accumulating
 from lightning_mpt.diagnostics.cadence import check_every
 from lightning_mpt.diagnostics.histograms import GradientHistograms
 from lightning_mpt.diagnostics.params import Group
@@ -71,6 +71,7 @@ class GradientHistogramMonitor(Monitor):
 
     @property
     def _val_groups(self) -> list[Group]:
+        """The parameters each value histogram draws."""
         return self.histograms.groups
 
     def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

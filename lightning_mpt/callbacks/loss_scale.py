@@ -9,7 +9,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from torch.optim import Optimizer
 
-from lightning_mpt.callbacks._common import Monitor
+from lightning_mpt.callbacks._monitor import Monitor
 from lightning_mpt.diagnostics.cadence import check_every
 from lightning_mpt.diagnostics.scale_log import LossScaleLog
 from lightning_mpt.diagnostics.scale_tracker import ScaleTracker, Suspects

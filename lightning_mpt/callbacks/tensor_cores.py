@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 
-from lightning_mpt.callbacks._common import Monitor
+from lightning_mpt.callbacks._monitor import Monitor
 from lightning_mpt.diagnostics.cadence import check_every
 from lightning_mpt.diagnostics.plugin import half_format
 from lightning_mpt.diagnostics.tensor_cores import (

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mpt.callbacks._common import Monitor, accumulating
+from lightning_mpt.callbacks._monitor import Monitor, accumulating
 from lightning_mpt.diagnostics.cadence import check_every, due
 from lightning_mpt.diagnostics.params import ParamTable
 from lightning_mpt.diagnostics.plugin import backward_scale

@@ -99,7 +99,7 @@ def reference_gradients(
         stack.enter_context(torch.enable_grad())
         stack.enter_context(torch.autocast(device.type, enabled=False))
         out = torch.func.functional_call(
-            _Run(module, run), {f"module.{n}": w for n, w in weights.items()}, tuple(inputs), strict=False
+            _LossModule(module, run), {f"module.{n}": w for n, w in weights.items()}, tuple(inputs), strict=False
         )
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor) or not loss.requires_grad:
@@ -114,7 +114,7 @@ def reference_gradients(
     return grads
 
 
-class _Run(nn.Module):
+class _LossModule(nn.Module):
     """``run(module, *args)`` as a forward, so that ``torch.func.functional_call`` can swap ``module``'s weights."""
 
     def __init__(self, module: nn.Module, run: Callable[..., Any]) -> None:

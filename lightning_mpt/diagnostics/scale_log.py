@@ -51,23 +51,23 @@ class LossScaleLog(Statistic):
         self.every_n_steps = every_n_steps
         self.max_names = max_names
         self.overflow_counts: Counter[str] = Counter()
-        self.overflows = 0  # skipped steps seen, cumulative (also across a resume)
-        self.seen = -1  # the last step of a plugin's history logged by :meth:`history`
+        self.overflows = 0  # skipped steps, cumulative (also across a resume)
+        self.last_logged_step = -1  # the last step of a plugin's history logged by :meth:`history`
 
     def history(self, sink: Sink, records: Sequence[Any], scale_now: float) -> None:
         """Log the steps of a plugin's ``history`` (``MPTPrecision.history``: records with ``step``, ``scale``,
-        ``skipped``, ``nonfinite_params``, ``loss_finite``) that are newer than :attr:`seen`; ``scale_now`` is the
+        ``skipped``, ``nonfinite_params``, ``loss_finite``) newer than :attr:`last_logged_step`; ``scale_now`` is the
         plugin's ``loss_scale``, the scale after the last record."""
         new = []
         for record in reversed(records):
-            if record.step <= self.seen:
+            if record.step <= self.last_logged_step:
                 break
             new.append(record)
         new.reverse()
         for i, r in enumerate(new):
             after = new[i + 1].scale if i + 1 < len(new) else scale_now
             self.step(sink, r.step, r.scale, after, r.skipped, _names_of(r), r.loss_finite)
-            self.seen = r.step
+            self.last_logged_step = r.step
 
     def step(
         self,

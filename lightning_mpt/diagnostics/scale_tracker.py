@@ -119,7 +119,7 @@ class ScaleTracker:
         self.source, self._pending = self.source_of(plugin), None
         scaler = grad_scaler(plugin)
         if self.source == "history":
-            self.log.seen = steps_taken(plugin) - 1
+            self.log.last_logged_step = steps_taken(plugin) - 1
             self.log.overflows = int(plugin.skipped_steps)
         elif scaler is not None:
             self._scale = scaler.get_scale()

@@ -64,10 +64,12 @@ class StoredFractions(PerParameter):
         rows = [v[5 * i : 5 * i + 5] for i in range(n)]
         values: dict[str, Optional[float]] = {}
 
-        def fractions(name: Optional[str], numel: float, zero: float, sub: float, nzf: float, over: float) -> None:
+        def fractions(
+            name: Optional[str], numel: float, zero: float, sub: float, nonzero_finite: float, over: float
+        ) -> None:
             for tag, value in (
                 (tags.GRAD_ZERO, ratio(zero, numel)),
-                (tags.GRAD_SUBNORMAL, ratio(sub, nzf)),
+                (tags.GRAD_SUBNORMAL, ratio(sub, nonzero_finite)),
                 (tags.GRAD_OVERFLOW, ratio(over, numel)),
             ):
                 values[tag if name is None else tags.per_parameter(tag, name)] = value

@@ -68,7 +68,8 @@ class MixedPrecisionLogger:
     fractions, update underflow, gradient and exponent histograms, and the flush fraction from an fp32 reference on
     demand, under the same tags and with the same numbers as the Trainer callbacks
     (:class:`~lightning_mpt.callbacks.LossScaleMonitor`, :class:`~lightning_mpt.callbacks.UnderflowMonitor`,
-    :class:`~lightning_mpt.callbacks.GradientHistogramMonitor`).
+    :class:`~lightning_mpt.callbacks.GradientHistogramMonitor`). Everything a step queued is read with one host sync
+    in :meth:`step`.
 
     Call points, per optimizer step::
 
@@ -82,22 +83,9 @@ class MixedPrecisionLogger:
         ...
         diagnostics.finalize()                        # at the end: the overflow summary
 
-    * :meth:`after_backward` reads the gradients as the backward stored them, scaled, before anything unscales or
-      clips them: the zero, subnormal and overflow fractions and the stored headroom (every ``every_n_steps``), the
-      exponent histograms and the value histograms (every ``histograms_every_n_steps``; the values are drawn unscaled,
-      as the optimizer sees them before clipping). With gradient accumulation, call it after the last micro-batch's
-      backward only.
-    * :meth:`step` copies the fp32 masters (at fraction steps), runs ``optimizer.step()``, measures the update
-      underflow, logs the plugin's step history (loss scale, skips, culprits, scale changes) and reads everything
-      queued in the step with **one** host sync.
-    * :meth:`reference` re-runs a loss function in fp32 with the masters (``torch.func.functional_call``: the module's
-      parameters, gradients and the optimizer are untouched) and logs the true flush fraction and the scale headroom.
-      Called before the step's forward, it replays the random state the forward will start from, so dropout draws
-      the same masks. Under DDP every process must call it at the same steps (its counts are summed across them).
-
     Works with :class:`lightning_mpt.fabric.MPTPrecision` (``"fp16"``, ``"bf16"``) and with Fabric's own
     ``"16-mixed"`` (a ``torch.amp.GradScaler``: an overflow shows as the scale backing off) and ``"bf16-mixed"`` (no
-    loss scale to log), on one device and under DDP; rank 0 writes.
+    loss scale to log), on one device, under DDP and FSDP2; rank 0 writes.
 
     Args:
         fabric: the ``lightning.Fabric`` whose loggers get the values (a TensorBoard logger for the histograms, texts
