@@ -11,8 +11,7 @@ from torch.optim import Optimizer
 
 from lightning_mpt.callbacks._monitor import Monitor
 from lightning_mpt.diagnostics.cadence import check_every
-from lightning_mpt.diagnostics.scale_log import LossScaleLog
-from lightning_mpt.diagnostics.scale_tracker import ScaleTracker, Suspects
+from lightning_mpt.diagnostics.loss_scale import LossScaleLog, ScaleTracker, Suspects
 
 
 class LossScaleMonitor(Monitor):
@@ -40,7 +39,7 @@ class LossScaleMonitor(Monitor):
 
     Attributes:
         overflow_counts: per parameter name, the skipped steps at which its gradient was non-finite (rank 0).
-        scale_log: the :class:`~lightning_mpt.diagnostics.scale_log.LossScaleLog` that writes.
+        scale_log: the :class:`~lightning_mpt.diagnostics.loss_scale.LossScaleLog` that writes.
 
     Example:
         ```python

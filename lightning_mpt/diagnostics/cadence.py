@@ -1,13 +1,4 @@
-"""When the diagnostics measure, and the checks of their arguments (one error text for every front-end).
-
-Example:
-    ```python
-    from lightning_mpt.diagnostics.cadence import check_every, due
-
-    assert check_every("MyMonitor", "every_n_steps", 50) == 50
-    assert due(100, 50) and not due(101, 50) and not due(100, 0)   # 0: off
-    ```
-"""
+"""When the diagnostics measure, and the checks of their arguments (one error text for every front-end)."""
 
 from __future__ import annotations
 

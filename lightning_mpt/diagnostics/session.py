@@ -2,7 +2,7 @@
 
 A front-end makes one session per run (the Trainer's monitors one per fit, together; Fabric's
 ``MixedPrecisionLogger`` one) and drives the statistic sets on it at its own call points: a
-:class:`~lightning_mpt.diagnostics.scale_tracker.ScaleTracker`, an
+:class:`~lightning_mpt.diagnostics.loss_scale.ScaleTracker`, an
 :class:`~lightning_mpt.diagnostics.underflow.UnderflowStatistics` and a
 :class:`~lightning_mpt.diagnostics.histograms.GradientHistograms`. The session holds what they share: the recorder
 (the sink, the one-sync read-out, the shards), the table of half parameters, the warnings, and what is written once.

@@ -1,21 +1,4 @@
-"""The statistics of the stored half gradients (scaled, as the backward left them): fractions and exponents.
-
-Example:
-    ```python
-    import torch
-    from lightning_mpt.core.numerics import FP16
-    from lightning_mpt.diagnostics.recorder import Recorder
-    from lightning_mpt.diagnostics.sink import Sink
-    from lightning_mpt.diagnostics.stored import ExponentHistograms, StoredFractions
-
-    recorder = Recorder(Sink(), active=True)   # no writer: measured, not written
-    grads = [torch.tensor([0.0, 1e-6, 3.0], dtype=torch.float16)]
-    StoredFractions(["w"], FP16).measure(recorder, grads, step=0)
-    ExponentHistograms(["w"], FP16).measure(recorder, grads, step=0)   # the same histograms, computed once
-    recorder.flush()
-    assert recorder.syncs == 1
-    ```
-"""
+"""The statistics of the stored half gradients (scaled, as the backward left them): fractions and exponents."""
 
 from __future__ import annotations
 

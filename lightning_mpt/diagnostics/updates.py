@@ -1,21 +1,4 @@
-"""``UpdateUnderflow``: the share of master-weight updates that a half-precision weight would lose.
-
-Example:
-    ```python
-    import torch
-    from lightning_mpt.core.numerics import BF16
-    from lightning_mpt.diagnostics.recorder import Recorder
-    from lightning_mpt.diagnostics.sink import Sink
-    from lightning_mpt.diagnostics.updates import UpdateUnderflow
-
-    master = torch.ones(4)
-    stat, recorder = UpdateUnderflow(["w"], BF16), Recorder(Sink(), active=True)
-    stat.snapshot([master], step=0)                        # before the optimizer step
-    master += torch.tensor([1e-4, 1e-4, 0.5, 0.0])         # the step: two updates too small for bf16
-    stat.measure(recorder)                                 # after it
-    recorder.flush()
-    ```
-"""
+"""``UpdateUnderflow``: the share of master-weight updates that a half-precision weight would lose."""
 
 from __future__ import annotations
 

@@ -1,18 +1,4 @@
-"""``ValueHistograms``: histograms of the true (unscaled) gradient values.
-
-Example:
-    ```python
-    import torch
-    from lightning_mpt.diagnostics.recorder import Recorder
-    from lightning_mpt.diagnostics.sink import Sink
-    from lightning_mpt.diagnostics.values import ValueHistograms
-
-    recorder = Recorder(Sink(), active=True)
-    stored = [[torch.tensor([1024.0, -2048.0], dtype=torch.float16)]]   # one group, scaled by 1024
-    ValueHistograms(["w"], bins=4).measure(recorder, lambda: stored, step=0, scale=1024.0)   # drawn as [1, -2]
-    recorder.flush()
-    ```
-"""
+"""``ValueHistograms``: histograms of the true (unscaled) gradient values."""
 
 from __future__ import annotations
 

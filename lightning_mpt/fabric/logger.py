@@ -51,11 +51,11 @@ from torch import Tensor, nn
 from lightning_mpt.core.numerics import FP16
 from lightning_mpt.diagnostics.cadence import check_every
 from lightning_mpt.diagnostics.histograms import GradientHistograms
+from lightning_mpt.diagnostics.loss_scale import ScaleTracker, Suspects
 from lightning_mpt.diagnostics.plugin import current_scale, half_format, has_masters, steps_taken
 from lightning_mpt.diagnostics.recorder import Recorder
 from lightning_mpt.diagnostics.reference import ReferenceStats
 from lightning_mpt.diagnostics.replay import reference_gradients, rng_state
-from lightning_mpt.diagnostics.scale_tracker import ScaleTracker, Suspects
 from lightning_mpt.diagnostics.session import DiagnosticSession
 from lightning_mpt.diagnostics.statistic import Statistic
 from lightning_mpt.diagnostics.underflow import UnderflowStatistics
@@ -110,7 +110,7 @@ class MixedPrecisionLogger:
         last_reference: the latest :class:`~lightning_mpt.callbacks.ReferenceStats`, on every process.
         recorder: the :class:`~lightning_mpt.diagnostics.recorder.Recorder` (``recorder.syncs`` counts host reads).
         scale, underflow, histograms: the statistic sets
-            (:class:`~lightning_mpt.diagnostics.scale_tracker.ScaleTracker`,
+            (:class:`~lightning_mpt.diagnostics.loss_scale.ScaleTracker`,
             :class:`~lightning_mpt.diagnostics.underflow.UnderflowStatistics`,
             :class:`~lightning_mpt.diagnostics.histograms.GradientHistograms`); a statistic's ``enabled`` is
             ``False`` once it failed (``underflow.reference_stat.enabled``).
