@@ -1,23 +1,5 @@
-"""``Recorder``: what the statistics of one run share: the sink, the one-sync read-out and the per-backward cache.
-
-Example:
-    ```python
-    import tempfile
-
-    import torch
-    from torch.utils.tensorboard import SummaryWriter
-    from lightning_mpt.core.numerics import FP16
-    from lightning_mpt.diagnostics.recorder import Recorder
-    from lightning_mpt.diagnostics.sink import Sink
-    from lightning_mpt.diagnostics.stored import StoredFractions
-
-    grads = [torch.tensor([0.0, 1e-6, 3.0], dtype=torch.float16), torch.ones(4, dtype=torch.float16)]
-    with SummaryWriter(tempfile.mkdtemp()) as writer:
-        recorder = Recorder(Sink(writer))
-        StoredFractions(["a", "b"], FP16).measure(recorder, grads, step=0)   # queued on the device
-        recorder.flush()                                                     # one host read, then written
-    assert recorder.syncs == 1
-    ```
+"""``Recorder``: what the statistics of one run share: the sink, the one-sync read-out and the per-backward cache
+(see ``docs/diagnostics.md``, "Without a Trainer", for a loop that drives it).
 """
 
 from __future__ import annotations
