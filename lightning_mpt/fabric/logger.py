@@ -148,7 +148,6 @@ class MixedPrecisionLogger:
             fabric.loggers, TensorBoardLogger, fabric.is_global_zero, owner, strict
         )
         self.recorder: Recorder = self.session.recorder
-        self.last_reference: Optional[ReferenceStats] = None
         self.setup_stat = Statistic(owner, "the set-up", strict)
         self._started = False
         self._measured: Optional[int] = None  # the step whose gradients after_backward measured
@@ -238,16 +237,13 @@ class MixedPrecisionLogger:
         """
         self._start()
         module, plugin, strategy = self.module, self.plugin, self.fabric.strategy
-        result = self.underflow.measure_reference(
+        return self.underflow.measure_reference(
             self.recorder,
             lambda table: reference_gradients(module, table, plugin, loss_fn, args, rng=rng_state()),
             current_scale(plugin),
             self.global_step,
             lambda ok: bool(strategy.reduce_boolean_decision(ok, all=True)),
         )
-        if result is not None:
-            self.last_reference = result
-        return result
 
     def finalize(self) -> None:
         """At the end of training: the overflow summary (the text ``mpt/overflow_summary`` when there were skipped
@@ -256,6 +252,10 @@ class MixedPrecisionLogger:
         self.scale.summary(self.session.sink, self.global_step)
         self.recorder.flush()
         self.session.sink.flush()
+
+    @property
+    def last_reference(self) -> Optional[ReferenceStats]:
+        return self.underflow.last_reference
 
     def _stopped(self, error: BaseException) -> None:
         """``optimizer.step`` raised: log the steps taken (the one that tripped ``MPTPrecision``'s guard among them),
