@@ -125,7 +125,7 @@ def _hook_on_masters(callback: Any, hook: Callable[..., None], masters: Masters,
         if swaps and isinstance(masters, CopyMasters):
             # an in-place edit of the half weights since the last step (or during validation) goes into the masters,
             # where the swap moves it, rather than being overwritten by the refresh below
-            masters.adopt_all_edits()
+            masters.absorb_all_edits()
         hook(callback, trainer, MasterView(pl_module, masters), *args, **kwargs)
         if writes:
             _refresh(masters)

@@ -58,7 +58,7 @@ class MixedPrecisionPlugin:
     #: how user code reaches the plugin, for messages
     _access: str = "the precision plugin"
 
-    def _set_up(
+    def _init_plugin(
         self,
         precision: Any,
         scaler: Any,

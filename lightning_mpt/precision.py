@@ -74,7 +74,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
     ) -> None:
-        self._set_up(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
+        self._init_plugin(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
         self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._averaging: list[_averaging.Adapted] = []  # weight-averaging callbacks pointed at the masters

@@ -8,6 +8,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_fractions import (
+    flush_fraction,
+    overflow_fraction,
+    subnormal_fraction,
+    update_underflow_fraction,
+    zero_fraction,
+)
 
 from lightning_mpt.core.numerics import (
     BF16,
@@ -17,16 +24,11 @@ from lightning_mpt.core.numerics import (
     exponent_bins,
     exponent_histograms,
     flush_counts,
-    flush_fraction,
     format_of,
     max_abs,
-    overflow_fraction,
     stored_counts,
-    subnormal_fraction,
     update_underflow_counts,
-    update_underflow_fraction,
     value_histograms,
-    zero_fraction,
 )
 
 INF, NAN = math.inf, math.nan

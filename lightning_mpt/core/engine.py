@@ -264,7 +264,7 @@ class MixedPrecisionEngine:
         grads = self.masters.prepare(optimizer, 1.0 if repeat else self.backward_scale)
         skipped, loss_finite, edited = self._sync(grads.found_inf, grads.edited)
         if any(edited):
-            names = self.masters.adopt_edits(grads, edited)
+            names = self.masters.absorb_edits(grads, edited)
             if names and self.on_edits is not None:
                 self.on_edits(names)
         pending = PendingStep(index, grads, skipped, loss_finite, self.backward_scale)

@@ -18,13 +18,13 @@ device tensor and never synchronises with the host: read all of them with a sing
 Example:
     ```python
     import torch
-    from lightning_mpt.core.numerics import FP16, FP32, flush_fraction, update_underflow_fraction
+    from lightning_mpt.core.numerics import FP16, FP32, flush_counts, update_underflow_counts
 
     w, u = torch.tensor([0.5]), torch.tensor([-3e-7])
-    assert update_underflow_fraction(w, u, FP16).item() == 1.0   # fp16 weights would lose the update
-    assert update_underflow_fraction(w, u, FP32).item() == 0.0   # an fp32 master keeps it
+    assert update_underflow_counts([w], [w + u], FP16).tolist() == [[1, 1]]  # fp16 weights would lose the update
+    assert update_underflow_counts([w], [w + u], FP32).tolist() == [[1, 0]]  # an fp32 master keeps it
     g = torch.tensor([1e-9, 1e-3])
-    assert flush_fraction(g, scale=1.0, fmt=FP16).item() == 0.5   # 1e-9 < 2**-25: flushed to zero in fp16
+    assert flush_counts([g], scale=1.0, fmt=FP16).tolist() == [[2, 1]]  # 1e-9 < 2**-25: flushed to zero in fp16
     ```
 """
 
@@ -48,18 +48,13 @@ __all__ = [
     "exponent_bins",
     "exponent_histograms",
     "flush_counts",
-    "flush_fraction",
     "format_of",
     "max_abs",
-    "overflow_fraction",
     "stored_counts",
     "STORED_COUNTS",
-    "subnormal_fraction",
     "update_underflow_counts",
-    "update_underflow_fraction",
     "value_histograms",
     "value_ranges",
-    "zero_fraction",
 ]
 
 
@@ -401,44 +396,6 @@ def value_histograms(
         row[2:5] = stats
         row[5:] = counts[:bins]
     return out
-
-
-# --------------------------------------------------------------------------------------- single-tensor fractions
-def zero_fraction(x: Tensor) -> Tensor:
-    """Share of exact zeros among all values of ``x`` (NaN for an empty tensor). No host sync."""
-    return (x == 0).sum() / _numel(x)
-
-
-def subnormal_fraction(x: Tensor, fmt: FloatFormat) -> Tensor:
-    """Share of subnormal values (``0 < |x| < min_normal`` once stored in ``fmt``) among the nonzero finite ones."""
-    c = stored_counts(exponent_histograms([x], fmt), fmt)[0]
-    return c[2] / c[3]
-
-
-def overflow_fraction(x: Tensor, fmt: FloatFormat, scale: float = 1.0) -> Tensor:
-    """Share of values that are non-finite once multiplied by ``scale`` and stored in ``fmt``."""
-    scaled = x.float() * scale if scale != 1.0 else x
-    return (~torch.isfinite(fmt.cast(scaled))).sum() / _numel(x)
-
-
-def flush_fraction(x: Tensor, scale: float, fmt: FloatFormat) -> Tensor:
-    """Of the nonzero values of the fp32 tensor ``x``, the share that become 0 when multiplied by ``scale`` and
-    stored in ``fmt`` (NaN when ``x`` has no nonzero value)."""
-    counts = flush_counts([x], scale, fmt)[0]
-    return counts[1] / counts[0]
-
-
-def update_underflow_fraction(w: Tensor, u: Tensor, fmt: FloatFormat) -> Tensor:
-    """Of the nonzero updates ``u`` to the fp32 weights ``w``, the share where ``cast(w + u) == cast(w)`` in
-    ``fmt``: the updates a weight stored in ``fmt`` alone would lose (NaN when ``u`` has no nonzero value)."""
-    w = w.float()
-    nonzero = u != 0
-    lost = nonzero & (fmt.cast(w + u) == fmt.cast(w))
-    return lost.sum() / nonzero.sum()
-
-
-def _numel(x: Tensor) -> Tensor:
-    return torch.full((), float(x.numel()) if x.numel() else math.nan, device=x.device)
 
 
 def _first_device(tensors: Sequence[Optional[Tensor]]) -> torch.device:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Optional
 from weakref import WeakKeyDictionary, WeakSet
 
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, dtype
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -166,6 +167,22 @@ def rounded_state(optimizer: Optimizer, masters: Masters, half: dtype) -> list[s
             if halves and step is not None and float(step) > 0:
                 names.append(masters.name_of(p))
     return names
+
+
+def warn_if_rounded(optimizer: Optimizer, masters: Masters, half: dtype) -> None:
+    """Say so when state that steps built was loaded in the ``half`` format (:func:`rounded_state`), and how to load
+    it exactly."""
+    rounded = rounded_state(optimizer, masters, half)
+    if rounded:
+        shown = ", ".join(rounded[:5]) + (f" and {len(rounded) - 5} more" if len(rounded) > 5 else "")
+        rank_zero_warn(
+            f"MPTPrecision: the state of {type(optimizer).__name__} for {shown} is in {half}: it was loaded "
+            "(fabric.load) before the plugin could see the optimizer, and torch cast it to the half-precision "
+            "parameters' dtype, so the run does not resume exactly. The plugin finds the optimizers at "
+            "fabric.setup and when the model's or the plugin's entry of the state loads: put the model before the "
+            "optimizer in fabric.load's state, or call `fabric.strategy.precision.adopt(optimizer)` before "
+            "`fabric.load`."
+        )
 
 
 def _holds(optimizer: Any, wanted: set[int]) -> bool:

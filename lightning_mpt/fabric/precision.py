@@ -8,7 +8,6 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
@@ -19,7 +18,7 @@ from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, distributed, is_fully_
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.fabric._module import ForwardModule
-from lightning_mpt.fabric._optimizers import LoadGuards, rounded_state
+from lightning_mpt.fabric._optimizers import LoadGuards, warn_if_rounded
 
 __all__ = ["MPTPrecision"]
 
@@ -27,14 +26,9 @@ __all__ = ["MPTPrecision"]
 class MPTPrecision(MixedPrecisionPlugin, Precision):
     """Fabric precision plugin: half-precision model, fp32 master weights, dynamic loss scaling, skipped overflows.
 
-    The model's parameters live in fp16/bf16 (norm layers stay fp32) and its forward runs under autocast. The
-    optimizer steps fp32 masters taken from the weights before they were cast; its state is fp32. The loss is scaled
-    before backward; at each optimizer step the half gradients are copied into fp32, unscaled with fused kernels, and
-    the step is decided (one host sync, the same decision on every process) before the optimizer runs: a step with a
-    non-finite gradient is skipped and changes nothing.
-
-    One module per plugin: ``fabric.setup`` a second model raises (put the models in one ``nn.Module``).
-    Supported strategies: one device, DDP, and FSDP2 (``ModelParallelStrategy``) with ``sharded=True``.
+    The same step as the Trainer plugin (:class:`lightning_mpt.MPTPrecision`); :mod:`lightning_mpt.fabric` says what
+    each Fabric call does. One module per plugin (put several models in one ``nn.Module``). Strategies: one device,
+    DDP, and FSDP2 (``ModelParallelStrategy``) with ``sharded=True``.
 
     Args:
         precision: ``"fp16"`` or ``"bf16"``.
@@ -78,7 +72,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         accumulate_fp32: bool = False,
         sharded: bool = False,
     ) -> None:
-        self._set_up(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
+        self._init_plugin(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
         _check_sharded(sharded, master_weights)
         self.sharded = sharded
         self._module: Optional[Module] = None  # the converted module
@@ -295,24 +289,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
                 f"MPTPrecision steps torch optimizers; the strategy handed it a {type(optimizer).__name__}. "
                 f"{supported_strategies('fabric')}"
             )
-        self._warn_if_state_was_rounded(optimizer)
+        warn_if_rounded(optimizer, self._engine.masters, self._dtype)
         self._engine.adopt(optimizer)
         self._adopted.append(optimizer)
         self._loads.release(optimizer)
-
-    def _warn_if_state_was_rounded(self, optimizer: Optimizer) -> None:
-        """Say so when state that steps built was loaded in the half format, and how to load it exactly."""
-        rounded = rounded_state(optimizer, self._engine.masters, self._dtype)
-        if rounded:
-            shown = ", ".join(rounded[:5]) + (f" and {len(rounded) - 5} more" if len(rounded) > 5 else "")
-            rank_zero_warn(
-                f"MPTPrecision: the state of {type(optimizer).__name__} for {shown} is in {self._dtype}: it was loaded "
-                "(fabric.load) before the plugin could see the optimizer, and torch cast it to the half-precision "
-                "parameters' dtype, so the run does not resume exactly. The plugin finds the optimizers at "
-                "fabric.setup and when the model's or the plugin's entry of the state loads: put the model before the "
-                "optimizer in fabric.load's state, or call `fabric.strategy.precision.adopt(optimizer)` before "
-                "`fabric.load`."
-            )
 
 
 def _check_sharded(sharded: Any, master_weights: bool) -> None:

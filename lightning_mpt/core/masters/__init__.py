@@ -6,7 +6,7 @@ Two implementations: :class:`~lightning_mpt.core.masters.copies.CopyMasters`, an
 
 1. :meth:`Masters.prepare` gives the optimizer's parameters fp32 gradients, unscaled by fused kernels, and flags on
    the device whether any was non-finite and whether user code edited a half weight since the last step;
-2. after the engine's one host sync, :meth:`Masters.adopt_edits` takes those edits into the masters;
+2. after the engine's one host sync, :meth:`Masters.absorb_edits` takes those edits into the masters;
 3. :meth:`Masters.enter` hands the masters to the optimizer, :meth:`Masters.exit` takes them back and refreshes the
    half weights; or, for a skipped step, :meth:`Masters.discard` drops the gradients;
 4. :meth:`Masters.release` (before the next forward) frees what the step kept, and :meth:`Masters.rescale` scales a
@@ -93,7 +93,7 @@ class Gradients:
     own_params: list[Tensor] = field(default_factory=list)  # parameters that are their own master (fp32)
     found_inf: Optional[Tensor] = None  # 0-dim, > 0 when a gradient was non-finite; None when no gradients
     # whether the half weights were edited since the last step: one flag per entry of ``params``, or a single flag
-    # for all of them (on CPU: adopt_edits then finds which); None when not checked
+    # for all of them (on CPU: absorb_edits then finds which); None when not checked
     edited: Optional[Tensor] = None
     entered: bool = False  # whether the optimizer holds the masters now
     # torch < 2.13, where a half parameter cannot hold an fp32 gradient: the half copies its ``.grad`` shows hooks,
@@ -147,7 +147,7 @@ class Masters(Protocol):
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         """The step's fp32 gradients, unscaled by ``1/scale``, with their flags on the device."""
 
-    def adopt_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
+    def absorb_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
         """Take the edits that ``flags`` (host values of ``grads.edited``) mark into the masters; their names."""
 
     def enter(self, optimizer: Optimizer, grads: Gradients) -> None:

@@ -233,7 +233,7 @@ class EditsBeforeSaving:
 
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if not keep_vars:
-            self.owner.adopt_all_edits()
+            self.owner.absorb_all_edits()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EditsBeforeSaving:
         return self

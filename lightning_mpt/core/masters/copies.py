@@ -8,7 +8,7 @@ While converted, ``module.state_dict()`` returns the masters and ``module.load_s
 At a step, :meth:`CopyMasters.prepare` copies the half gradients into fp32 master gradients and unscales them with
 torch's fused AMP kernel; on torch >= 2.13 the module's parameters then carry those fp32 gradients and the half ones
 are freed. It also flags half weights that user code edited in place since the last step (a WGAN clamp,
-``nn.Embedding(max_norm=...)``), for :meth:`CopyMasters.adopt_edits`. :meth:`CopyMasters.enter` puts the masters into
+``nn.Embedding(max_norm=...)``), for :meth:`CopyMasters.absorb_edits`. :meth:`CopyMasters.enter` puts the masters into
 the optimizer's ``param_groups`` (its state follows them) and :meth:`CopyMasters.exit` gives the parameters back and
 refreshes the half weights in one foreach copy. The parameters' data never changes dtype during training: that would
 reset their autograd gradient accumulators and detach DDP's hooks.
@@ -92,7 +92,7 @@ class CopyMasters(GradientFlow):
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.adopt_all_edits()
+        self.absorb_all_edits()
         restore_module(self)
         self.converted.clear()
         self.masters.clear()
@@ -156,14 +156,14 @@ class CopyMasters(GradientFlow):
         """Put the masters (or back the parameters) into ``optimizer.param_groups``, in place, with their state."""
         self.groups.swap(optimizer, to_masters)
 
-    def adopt_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
+    def absorb_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
         """Copy into the masters the half weights that ``flags`` (the host values of ``grads.edited``) mark as edited
         since the last step; return their names."""
         edited = edited_pairs(list(zip(grads.params, grads.masters)), flags)
         copy_into_masters(edited)
         return [self.name_of(p) for p, _ in edited]
 
-    def adopt_all_edits(self) -> list[str]:
+    def absorb_all_edits(self) -> list[str]:
         """Check every converted parameter for an edit of its half weight (one host sync) and adopt what is found."""
         pairs = [(p, m) for p, m in self.masters.items() if p.dtype == self.dtype and p.shape == m.shape]
         edited = edited_pairs(pairs, edit_flags_of(pairs))

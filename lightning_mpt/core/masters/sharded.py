@@ -365,7 +365,7 @@ class ShardedMasters:
             out.found_inf += found.to(device)
         return out
 
-    def adopt_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
+    def absorb_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
         """Not called: an edit of a shard is an edit of its master (``prepare`` flags none)."""
         return []
 
