@@ -40,7 +40,7 @@ from torch.nn import functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from example_utils import example_parser, next_version, parse_args, print_summary
 
-from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32
+from lightning_mpt import DEFAULT_KEEP_FP32
 from lightning_mpt.fabric import MixedPrecisionLogger, MPTPrecision
 
 NAME = "litgpt_fabric"

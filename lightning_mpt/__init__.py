@@ -18,15 +18,17 @@ from typing import TYPE_CHECKING
 from lightning_mpt._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
     from lightning_mpt.core.scaler import DynamicLossScaler
     from lightning_mpt.precision import MPTPrecision, NonFiniteGradientError, StepRecord
 
 _EXPORTS = {
+    "DEFAULT_KEEP_FP32": "lightning_mpt.core.masters",
     "DynamicLossScaler": "lightning_mpt.core.scaler",
     "MPTPrecision": "lightning_mpt.precision",
     "NonFiniteGradientError": "lightning_mpt.precision",
     "StepRecord": "lightning_mpt.precision",
 }
-__all__ = ["DynamicLossScaler", "MPTPrecision", "NonFiniteGradientError", "StepRecord"]
+__all__ = ["DEFAULT_KEEP_FP32", "DynamicLossScaler", "MPTPrecision", "NonFiniteGradientError", "StepRecord"]
 __version__ = "0.1.0"
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

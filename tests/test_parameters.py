@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpt import MPTPrecision
-from lightning_mpt.core.masters.copies import DEFAULT_KEEP_FP32
+from lightning_mpt import DEFAULT_KEEP_FP32
 
 PRECISIONS = ["fp16", "bf16"]
 
