@@ -86,17 +86,9 @@ class MixedPrecisionPlugin:
 
     def _sharded_masters(self, loop: Loop) -> Masters:
         """FSDP2's own fp32 shards as the masters, or a clear error where they cannot be."""
-        if not self.master_weights:
-            raise ValueError(
-                "MPTPrecision(master_weights=False) is not supported under FSDP2: FSDP2 keeps fp32 parameter shards, "
-                "which are the master weights. Use master_weights=True (the default)."
-            )
-        try:
-            from lightning_mpt.core.masters.sharded import ShardedMasters
-        except ImportError as err:  # torch < 2.6 has no public FSDP2 (torch.distributed.fsdp.fully_shard)
-            raise ImportError(
-                f"MPTPrecision under FSDP2 needs torch >= 2.6; this is torch {torch.__version__}."
-            ) from err
+        check_sharded(self.master_weights, "sharded=True, " if loop == "fabric" else "")
+        from lightning_mpt.core.masters.sharded import ShardedMasters
+
         return ShardedMasters(self._dtype, self.keep_fp32, report_half_kept, loop=loop)
 
     # ------------------------------------------------------------------ public attributes
@@ -238,6 +230,25 @@ class MixedPrecisionPlugin:
 def unwrap(optimizer: Any) -> Any:
     """The torch optimizer behind Lightning's wrappers (``self.optimizers()``, what ``fabric.setup`` returns)."""
     return optimizer.optimizer if type(optimizer).__module__ in _WRAPPER_MODULES else optimizer
+
+
+def check_sharded(master_weights: bool, asked: str = "") -> None:
+    """Raise a clear error where FSDP2's fp32 shards cannot be the masters (``asked``: the plugin's arguments that
+    asked for them, for the message)."""
+    if not master_weights:
+        raise ValueError(
+            f"MPTPrecision({asked}master_weights=False) is not supported under FSDP2: FSDP2 keeps fp32 parameter "
+            "shards, which are the master weights. Use master_weights=True (the default)."
+        )
+    try:
+        import torch.distributed.fsdp
+
+        torch.distributed.fsdp.fully_shard  # public from torch 2.6
+    except (ImportError, AttributeError) as err:
+        raise ImportError(
+            f"MPTPrecision under FSDP2 ({asked.rstrip(', ') or 'ModelParallelStrategy'}) needs torch >= 2.6 (FSDP2); "
+            f"this is torch {torch.__version__}."
+        ) from err
 
 
 def lbfgs_unsupported(loop: Loop) -> str:

@@ -22,8 +22,7 @@ from models import quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mpt import MPTPrecision
-from lightning_mpt import DEFAULT_KEEP_FP32
+from lightning_mpt import DEFAULT_KEEP_FP32, MPTPrecision
 
 PRECISIONS = ["fp16", "bf16"]
 

@@ -13,7 +13,13 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
+from lightning_mpt._plugin import (
+    MixedPrecisionPlugin,
+    check_sharded,
+    lbfgs_unsupported,
+    supported_strategies,
+    unwrap,
+)
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, distributed, is_fully_sharded
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
@@ -298,19 +304,8 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
 def _check_sharded(sharded: Any, master_weights: bool) -> None:
     if not isinstance(sharded, bool):
         raise TypeError(f"MPTPrecision(sharded={sharded!r}): expected a bool (True or False).")
-    if not sharded:
-        return
-    if not master_weights:
-        raise ValueError(
-            "MPTPrecision(sharded=True, master_weights=False) is not supported: FSDP2 keeps fp32 parameter shards, "
-            "which are the master weights. Use master_weights=True (the default)."
-        )
-    try:
-        import lightning_mpt.core.masters.sharded  # noqa: F401
-    except ImportError as err:  # torch < 2.6 has no public FSDP2 (torch.distributed.fsdp.fully_shard)
-        raise ImportError(
-            f"MPTPrecision(sharded=True) needs torch >= 2.6 (FSDP2); this is torch {torch.__version__}."
-        ) from err
+    if sharded:
+        check_sharded(master_weights, "sharded=True, ")
 
 
 def _replaced(module: Module, dtype: torch.dtype) -> str:
