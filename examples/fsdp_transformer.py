@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpt import MPTPrecision
 from lightning_mpt.callbacks import LossScaleMonitor
-from lightning_mpt.core.masters.sharded import is_sharded
+from lightning_mpt.core.masters import is_fully_sharded
 
 
 class Block(nn.Module):
@@ -106,7 +106,7 @@ class LitGPT(L.LightningModule):
         self.model = GPT(vocab, seq_len, dim, depth, heads)
 
     def configure_model(self) -> None:
-        if self.device_mesh is None or is_sharded(self.model):  # one device, or sharded by an earlier stage
+        if self.device_mesh is None or is_fully_sharded(self.model):  # one device, or sharded by an earlier stage
             return
         policy = self.trainer.precision_plugin.mp_policy  # param_dtype and reduce_dtype: the plugin's half format
         if self.hparams.reduce_fp32:
