@@ -83,17 +83,23 @@ class GradientFlow:
         halves: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]  # prepare kept those with one
         # few Python objects and calls per step: every container allocated counts toward the cyclic garbage
         # collector's next pass, which walks the whole process (Lightning's object graph)
-        usual = True
+        # torch < 2.13, a step taken again: the half copies the last step left on the parameters stand for its exact
+        # fp32 gradients, which are stepped again unrounded
+        exact = self._kept_exactly() if self._kept and not _compat.GRAD_DTYPE else {}
+        usual = not exact
         for g, p in zip(halves, params):
-            if g.dtype != p.dtype or not g.is_contiguous():
+            if not usual or g.dtype != p.dtype or not g.is_contiguous():
                 usual = False
                 break
         if usual:  # every gradient in its parameter's half format, as autograd leaves it
             fp32 = [torch.empty_like(m) for m in masters]
             _compat.foreach_copy_(fp32, halves)
         else:  # a gradient already fp32 (left by the last step and accumulated into) is used in place
-            fp32 = [g if g.dtype == torch.float32 else torch.empty_like(m) for g, m in zip(halves, masters)]
-            todo = [i for i, (f, g) in enumerate(zip(fp32, halves)) if f is not g]
+            fp32 = [
+                exact.get(id(g), g if g.dtype == torch.float32 else torch.empty_like(m))
+                for g, m in zip(halves, masters)
+            ]
+            todo = [i for i, (f, g) in enumerate(zip(fp32, halves)) if f is not g and id(g) not in exact]
             if todo:
                 _compat.foreach_copy_([fp32[i] for i in todo], [halves[i] for i in todo])
         flags = torch.zeros(0, dtype=torch.bool, device=params[0].device)
@@ -119,6 +125,15 @@ class GradientFlow:
         out.master_grads.extend(fp32)
         out.on_params.extend(fp32 if _compat.GRAD_DTYPE else halves)
         return flags
+
+    def _kept_exactly(self) -> dict[int, Tensor]:
+        """torch < 2.13: ``id`` of each half gradient copy that a kept step left untouched -> its fp32 gradient."""
+        return {
+            id(g): mg
+            for kept in self._kept
+            for i, (g, mg) in enumerate(zip(kept.on_params, kept.master_grads))
+            if _is_faithful_copy(kept, i, g)
+        }
 
     def sync_edits(self, grads: Gradients) -> None:
         """Make the master gradients what hooks left on the parameters since :meth:`prepare`: a gradient edited in
