@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 Loop = Literal["trainer", "fabric"]
 
 # Lightning's optimizer wrappers (``self.optimizers()``'s LightningOptimizer, what ``fabric.setup`` returns): classes
-# made on the fly in these modules, subclassing the wrapped optimizer's class and holding it in ``.optimizer``
+# made on the fly in these modules, subclassing the wrapped optimizer's class and holding it in ``_optimizer``
 _WRAPPER_MODULES = ("lightning.pytorch.core.optimizer", "lightning.fabric.wrappers")
 
 
@@ -229,7 +229,11 @@ class MixedPrecisionPlugin:
 
 def unwrap(optimizer: Any) -> Any:
     """The torch optimizer behind Lightning's wrappers (``self.optimizers()``, what ``fabric.setup`` returns)."""
-    return optimizer.optimizer if type(optimizer).__module__ in _WRAPPER_MODULES else optimizer
+    if type(optimizer).__module__ in _WRAPPER_MODULES:
+        inner = vars(optimizer).get("_optimizer")  # both wrappers keep it there; other classes of those modules do not
+        if isinstance(inner, Optimizer):
+            return inner
+    return optimizer
 
 
 def check_sharded(master_weights: bool, asked: str = "") -> None:

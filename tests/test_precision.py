@@ -635,3 +635,18 @@ def test_unsupported_strategies_are_refused():
     finally:  # the strategy's one-process group would stay for the next test in this process
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_module_without_an_optimizer_fits(precision):
+    """``configure_optimizers`` returning ``None``: Lightning steps a mock optimizer of its own (defined next to its
+    optimizer wrapper), which the plugin must not take for the wrapper."""
+
+    class NoOptimizer(TinyMLP):
+        def configure_optimizers(self):
+            return None
+
+    trainer = quiet_trainer(max_steps=2, plugins=[MPTPrecision(precision)])
+    with pytest.warns(UserWarning, match="`LightningModule.configure_optimizers` returned `None`"):
+        trainer.fit(NoOptimizer(), regression_data())
+    assert trainer.global_step == 2
