@@ -53,6 +53,7 @@ pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
 RANDOM = os.environ.get("FUZZ_RANDOM", "0") == "1"
 EPOCHS, BATCHES, VOCAB, DIM = 3, 4, 12, 8
+CHUNK = 100  # elements per chunk of a chunked step: the embedding, the head and each (weight, bias) apart
 
 OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], dict[str, Any], tuple[str, ...]]] = {
     # name: (class, hyper-parameters, variants the CPU supports)
@@ -89,6 +90,7 @@ class Setup:
     precision: str  # "fp16-dynamic", "fp16-static", "bf16"
     seed: int
     again: Optional[str] = None  # manual optimization: after each step, "step" again, or "zero_grad" then step again
+    chunked: bool = False  # MPTPrecision(chunked_step=...): the masters stepped a few tensors at a time
 
     def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
         cls, hyper, _ = OPTIMIZERS[self.optimizer]
@@ -100,11 +102,13 @@ class Setup:
         return torch.bfloat16 if self.precision == "bf16" else torch.float16
 
     def plugin(self) -> MPTPrecision:
+        chunk = CHUNK if self.chunked else False
         if self.precision == "bf16":
-            return MPTPrecision("bf16")
+            return MPTPrecision("bf16", chunked_step=chunk)
         if self.precision == "fp16-static":
-            return MPTPrecision("fp16", scaler=2.0**6)
-        return MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2))
+            return MPTPrecision("fp16", scaler=2.0**6, chunked_step=chunk)
+        scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
+        return MPTPrecision("fp16", scaler=scaler, chunked_step=chunk)
 
 
 @st.composite
@@ -127,6 +131,7 @@ def setups(draw: st.DrawFn) -> Setup:
         precision=draw(st.sampled_from(["fp16-dynamic", "fp16-static", "bf16"])),
         seed=draw(st.integers(0, 2**16)),
         again=draw(st.sampled_from([None, "step", "zero_grad"])) if mode != "auto" else None,
+        chunked=draw(st.booleans()),
     )
 
 
@@ -225,6 +230,7 @@ class Replay(L.Callback):
         self.steps_checked = 0
         self.backwards = 0
         self.backwards_at_step: dict[int, int] = {}  # optimizer index -> backwards counted at its latest step
+        self.replayed: dict[int, bool] = {}  # optimizer index -> its step was replayed (a chunked step: once)
         self.repeat: dict[int, bool] = {}  # optimizer index -> its latest step came with no backward since the last
         self.attempts: dict[int, int] = {}  # optimizer index -> its step attempts (skipped included, repeats not)
         # per step attempt: (optimizer index, its earlier attempts (repeats not counted), the lrs in force)
@@ -251,12 +257,17 @@ class Replay(L.Callback):
             self.attempts[index] = self.attempts.get(index, 0) + 1
         self.lrs_seen.append((index, self.attempts[index] - 1, [g["lr"] for g in optimizer.param_groups]))
         self.before[index] = snapshot(trainer, module, optimizer)
+        self.replayed[index] = False
 
     # -------------------------------------------------------------- (i) masters equal the replay
     def check_step(self, trainer: L.Trainer, module: L.LightningModule, index: int) -> None:
         plugin = trainer.precision_plugin
         optimizer, replica = trainer.optimizers[index], self.replicas[index]
         params = [p for ps in [module.param_sets()[index]] for p in ps]
+        if self.replayed.get(index, False):  # a later chunk of a chunked step: its masters against the replay
+            self.compare(plugin, optimizer, params)
+            return
+        self.replayed[index] = True
         copies = [self.copy_of[id(p)] for p in params]
         if self.repeat[index]:  # the gradients of the last step again, or none where zero_grad dropped them
             for p, copy in zip(params, copies):
@@ -281,9 +292,15 @@ class Replay(L.Callback):
         for group, replica_group in zip(optimizer.param_groups, replica.param_groups):
             replica_group["lr"] = group["lr"]
         replica.step()  # the same torch optimizer over the same gradients: elementwise, so bitwise
-        for p in params:
-            assert torch.equal(plugin.master_of(p).float(), self.expected(p)), (self.setup, self.steps_checked)
+        self.compare(plugin, optimizer, params)
         self.steps_checked += 1
+
+    def compare(self, plugin: Any, optimizer: Any, params: list[nn.Parameter]) -> None:
+        """The masters that ``optimizer`` has just stepped (all, or a chunk's) equal the replay."""
+        stepped = {id(t) for g in optimizer.param_groups for t in g["params"]}
+        for p in params:
+            if id(plugin.master_of(p)) in stepped or not p.requires_grad:
+                assert torch.equal(plugin.master_of(p).float(), self.expected(p)), (self.setup, self.steps_checked)
 
     def expected(self, p: Tensor) -> Tensor:
         """The replay's value of ``p``; rounded to the half format for a parameter frozen at conversion, which has no

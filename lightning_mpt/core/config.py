@@ -62,3 +62,22 @@ def check_arguments(
             f"holding an fp32 gradient, Tensor.grad_dtype); this is torch {torch.__version__}."
         )
     return DTYPES[precision], scaler, tuple(keep_fp32)
+
+
+def check_chunked_step(chunked_step: Any, master_weights: bool) -> Optional[int]:
+    """Validate ``MPTPrecision(chunked_step=...)``; return the chunk's size in elements, ``None`` for a whole step."""
+    from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK
+
+    if chunked_step is False:
+        return None
+    if chunked_step is True:
+        chunk = DEFAULT_CHUNK
+    elif isinstance(chunked_step, int) and chunked_step >= 1:
+        chunk = chunked_step
+    else:
+        raise ValueError(
+            f"MPTPrecision(chunked_step={chunked_step!r}): expected True, False or a number of elements per chunk >= 1."
+        )
+    if not master_weights:
+        raise ValueError("MPTPrecision(chunked_step=...) steps fp32 masters in chunks: it needs master_weights=True.")
+    return chunk

@@ -260,8 +260,8 @@ class MixedPrecisionEngine:
             return pending
         index = self.adopt(optimizer)
         # stepping again with no backward since: the gradients are the true ones the last step left, as under "32-true"
-        repeat = self._taken.pop(optimizer, None) is not None
-        grads = self.masters.prepare(optimizer, 1.0 if repeat else self.backward_scale)
+        taken = self._taken.pop(optimizer, None)
+        grads = self.masters.prepare(optimizer, self.backward_scale if taken is None else taken.left_scale)
         skipped, loss_finite, edited = self._sync(grads.found_inf, grads.edited)
         if any(edited):
             names = self.masters.absorb_edits(grads, edited)
@@ -303,13 +303,12 @@ class MixedPrecisionEngine:
             _compat.mark_optimizer_stepped(optimizer)  # LR schedulers: a skipped step is a step, as with GradScaler
             self._skip(optimizer, pending)
             return None
-        self.masters.enter(optimizer, pending.grads)
-        stepped = False
+        steps = self.masters.steps(optimizer, pending.grads)  # once, or once per chunk of parameters
         try:
-            output = optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
-            stepped = True
+            for _ in steps:
+                output = optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
         finally:
-            self.masters.exit(optimizer, pending.grads, stepped=stepped)
+            steps.close()  # a failed step gives the optimizer its parameters back
         self._taken[optimizer] = pending.grads
         self.log.taken(pending.optimizer, pending.scale, pending.loss_finite)
         return output

@@ -122,7 +122,8 @@ def group_parameters(named: Iterable[tuple[str, Tensor]], group_by: GroupBy) -> 
 
 def true_gradients(plugin: Any, groups: Sequence[Group], shards: Optional[Shards] = None) -> list[list[Tensor]]:
     """The true (unscaled) gradients of each group's parameters after the plugin unscaled them: the masters' fp32
-    gradients under ``MPTPrecision``, ``.grad`` otherwise; this process's shards under FSDP2 (:meth:`Shards.owns`).
+    gradients under ``MPTPrecision`` (with ``chunked_step``, the half gradients unscaled into fp32 here, as the step
+    will), ``.grad`` otherwise; this process's shards under FSDP2 (:meth:`Shards.owns`).
     A parameter without one is left out."""
     masters = has_masters(plugin)
     out = []
@@ -131,6 +132,8 @@ def true_gradients(plugin: Any, groups: Sequence[Group], shards: Optional[Shards
         for _, p in members:
             m = plugin.master_of(p) if masters else p
             g = m.grad if m.grad is not None else p.grad
+            if g is not None and m is not p and m.grad is None:  # a chunked step: the half gradient, still scaled
+                g = g.float() * (1.0 / plugin.backward_scale)
             if g is not None and (shards is None or shards.owns(p)):
                 grads.append(local_tensor(g))
         out.append(grads)

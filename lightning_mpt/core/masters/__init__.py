@@ -15,7 +15,7 @@ Two implementations: :class:`~lightning_mpt.core.masters.copies.CopyMasters`, an
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
@@ -102,6 +102,11 @@ class Gradients:
     on_params_versions: list[int] = field(default_factory=list)
     master_versions: list[int] = field(default_factory=list)
 
+    @property
+    def left_scale(self) -> float:
+        """The scale the gradients this step leaves on the parameters carry: 1.0, they are the true ones."""
+        return 1.0
+
     def all_params(self) -> list[Tensor]:
         return self.params + self.own_params
 
@@ -156,6 +161,9 @@ class Masters(Protocol):
     def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
         """Take the masters back; refresh the half weights."""
 
+    def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
+        """Hand the masters to ``optimizer`` for the step: the caller steps once per item (once, or per chunk)."""
+
     def discard(self, grads: Gradients) -> None:
         """A skipped step: drop its gradients."""
 
@@ -176,3 +184,21 @@ class Masters(Protocol):
 
     def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
         """``(name, parameter, master)`` of each parameter with a master."""
+
+
+class _Handing(Protocol):
+    def enter(self, optimizer: Optimizer, grads: Gradients) -> None: ...
+
+    def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None: ...
+
+
+def whole_step(masters: _Handing, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
+    """:meth:`Masters.steps` for one whole step: the masters are entered, the caller steps once, they exit (also when
+    the step raised: the generator is closed then, and the exit knows nothing was stepped)."""
+    masters.enter(optimizer, grads)
+    stepped = False
+    try:
+        yield
+        stepped = True
+    finally:
+        masters.exit(optimizer, grads, stepped=stepped)

@@ -54,10 +54,11 @@ def edit_flags_of(pairs: list[tuple[Tensor, Tensor]]) -> list[float]:
 
 
 def edited_pairs(pairs: list[tuple[Tensor, Tensor]], flags: list[float]) -> list[tuple[Tensor, Tensor]]:
-    """The ``(half weight, master)`` pairs that ``flags`` (host values of :func:`edit_flags`) mark as edited. A
-    single flag for several pairs (CPU) says only that one was: each is compared then, which is rare."""
-    if len(flags) == 1 < len(pairs):
-        if not flags[0]:
+    """The ``(half weight, master)`` pairs that ``flags`` (host values of :func:`edit_flags`) mark as edited. Fewer
+    flags than pairs (CPU flags a range of pairs at once) say only that one was: each is compared then, which is
+    rare."""
+    if len(flags) != len(pairs):  # a flag per range of pairs (CPU compares each range at once): one was edited
+        if not any(flags):
             return []
         flags = [float(bits_differ(m.to(p.dtype), p)) for p, m in pairs]
     return [pair for pair, f in zip(pairs, flags) if f]

@@ -5,7 +5,7 @@ step's verbs of :class:`~lightning_mpt.core.masters.copies.CopyMasters`."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Optional
 
 import torch
@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mpt import _compat
-from lightning_mpt.core.masters import Gradients
+from lightning_mpt.core.masters import Gradients, whole_step
 from lightning_mpt.core.masters._edits import edit_flags
 from lightning_mpt.core.masters._groups import GroupSwap
 
@@ -179,6 +179,10 @@ class GradientFlow:
                 m.grad = None
         _write_halves(grads.params, grads.masters)
         grads.entered = False
+
+    def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
+        """Hand ``optimizer`` the masters for one whole step (the caller steps once) and take them back."""
+        return whole_step(self, optimizer, grads)
 
     def accumulate_in_fp32(self, sync: bool) -> None:
         """Before a backward: give the half parameters fp32 gradients for autograd to accumulate into (zeros at the

@@ -28,7 +28,7 @@ Under Lightning's ``ModelParallelStrategy`` the LightningModule's ``configure_mo
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -46,6 +46,7 @@ from lightning_mpt.core.masters import (
     Gradients,
     distributed,
     params_of,
+    whole_step,
 )
 
 __all__ = [
@@ -374,6 +375,9 @@ class ShardedMasters:
 
     def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
         grads.entered = False  # FSDP all-gathers the half compute copy from the shards at the next forward
+
+    def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
+        return whole_step(self, optimizer, grads)
 
     def discard(self, grads: Gradients) -> None:
         """A skipped step: drop its gradient shards."""

@@ -1,0 +1,305 @@
+"""A step that never holds every fp32 gradient at once: the masters are stepped a chunk of parameters at a time.
+
+:class:`ChunkedMasters` keeps fp32 master copies like :class:`~lightning_mpt.core.masters.copies.CopyMasters`, but at
+a step only the current chunk's gradients exist in fp32. :meth:`ChunkedMasters.prepare` decides the step from the
+half gradients: one pass, a chunk at a time, copies them into fp32 scratch, unscales them (the non-finite flag),
+takes each one's norm (for clipping by norm) and checks the half weights for edits, then frees the scratch. The engine
+syncs once. :meth:`ChunkedMasters.steps` then steps the masters chunk by chunk: the chunk's gradients are made in fp32
+again (bitwise the first pass's values), clipped with the global coefficient, handed to the optimizer with only that
+chunk's masters in its ``param_groups``, and freed once the half weights are refreshed.
+
+The chunks give the same masters as one whole step only for optimizers whose update of a parameter reads nothing but
+that parameter, its gradient and its own state: torch's built-in ones (:data:`CHUNKABLE`). Any other optimizer (LBFGS,
+a user's optimizer, an 8-bit one) gets the whole step of :class:`CopyMasters`.
+
+Between the backward and the step the module's parameters hold their half gradients as the backward left them:
+scaled by the loss scale (fp16). Hooks that read ``p.grad`` there see those; clipping through the plugin uses the
+true global norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor, optim
+from torch.optim import Optimizer
+
+from lightning_mpt import _compat
+from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
+from lightning_mpt.core.masters._edits import edit_flags
+from lightning_mpt.core.masters._flow import _SPARSE, _chunks, _set_grad, _unscale_, _write_halves
+from lightning_mpt.core.masters.copies import CopyMasters
+
+__all__ = ["CHUNKABLE", "DEFAULT_CHUNK", "ChunkedGrads", "ChunkedMasters", "chunkable"]
+
+#: elements per chunk by default: 64 MiB of fp32 gradients at a time
+DEFAULT_CHUNK = 2**24
+
+#: torch's optimizers whose update of a parameter reads only that parameter, its gradient and its state, so stepping
+#: the parameters in chunks gives the masters of one whole step, bitwise (exact classes: a subclass may differ)
+CHUNKABLE: tuple[type[Optimizer], ...] = (
+    optim.SGD,
+    optim.Adam,
+    optim.AdamW,
+    optim.Adamax,
+    optim.NAdam,
+    optim.RAdam,
+    optim.Adagrad,
+    optim.Adadelta,
+    optim.RMSprop,
+    optim.Rprop,
+    optim.ASGD,
+    *((optim.Adafactor,) if hasattr(optim, "Adafactor") else ()),  # torch >= 2.5
+)
+
+
+def chunkable(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` can step its parameters a chunk at a time with the result of one whole step.
+
+    Example:
+        ```python
+        w = torch.nn.Parameter(torch.zeros(2))
+        assert chunkable(torch.optim.AdamW([w])) and not chunkable(torch.optim.LBFGS([w]))
+        ```
+    """
+    return type(optimizer) in CHUNKABLE
+
+
+@dataclass
+class ChunkedGrads(Gradients):
+    """A chunked step's gradients: the half ones stay on the parameters until the step; the decision's by-products."""
+
+    scale: float = 1.0  # the loss scale the half gradients carry
+    norms: list[Tensor] = field(default_factory=list)  # 2-norm of each unscaled gradient of ``params`` (0-dim)
+    coefficient: Optional[Tensor] = None  # clipping by norm: the factor every gradient is multiplied by
+    clip_value: Optional[float] = None  # clipping by value
+    chunk: int = DEFAULT_CHUNK
+
+    @property
+    def left_scale(self) -> float:
+        """The half gradients left on the parameters still carry the loss scale."""
+        return self.scale
+
+    def fp32_grads(self) -> list[Tensor]:
+        """The gradients as they are now, aligned with :meth:`all_params`: the half ones (scaled; a non-finite value
+        is non-finite at any scale) and the fp32 parameters' own (unscaled)."""
+        return [p.grad for p in self.all_params() if p.grad is not None]
+
+    def clip_by_norm(self, max_norm: float) -> Tensor:
+        """Clip by the global 2-norm, as ``torch.nn.utils.clip_grad_norm_`` over the masters of a whole step would:
+        the norms of the decision's pass, stacked in the optimizer's parameter order. The fp32 parameters' gradients
+        are clipped now, the others chunk by chunk at the step. Returns the total norm."""
+        with_grad = [p for p in self.own_params if p.grad is not None]
+        own: list[Tensor] = [p.grad for p in with_grad]  # type: ignore[misc]
+        norm_of = dict(zip(map(id, self.params), self.norms))
+        if own:
+            norm_of.update(zip(map(id, with_grad), torch._foreach_norm(own, 2.0)))
+        ordered = [norm_of[id(p)] for p in params_of(self.optimizer) if id(p) in norm_of]  # type: ignore[arg-type]
+        if not ordered:
+            return torch.tensor(0.0)
+        total: Tensor = torch.linalg.vector_norm(torch.stack([n.to(ordered[0].device) for n in ordered]), 2.0)
+        coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        self.coefficient = coefficient if self.coefficient is None else self.coefficient * coefficient
+        if own:
+            torch._foreach_mul_(own, coefficient.to(own[0].device))
+        return total
+
+    def clip_by_value(self, value: float) -> None:
+        """Clamp every gradient to ``[-value, value]``: the fp32 parameters' now, the others chunk by chunk."""
+        own = [p.grad for p in self.own_params if p.grad is not None]
+        for g in own:
+            g.clamp_(-value, value)
+        self.clip_value = value if self.clip_value is None else min(self.clip_value, value)
+
+
+class ChunkedMasters(CopyMasters):
+    """FP32 masters stepped a chunk of parameters at a time, so that the step holds one chunk of fp32 gradients.
+
+    Args:
+        dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
+        keep_fp32: module types whose parameters stay fp32.
+        chunk: about how many elements each chunk holds (a larger tensor is a chunk of its own).
+
+    Example:
+        ```python
+        from torch import nn
+        from lightning_mpt.core.engine import MixedPrecisionEngine
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        engine = MixedPrecisionEngine(ChunkedMasters(torch.bfloat16, chunk=16))
+        engine.convert(model)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.scale_loss(model(torch.randn(3, 4)).float().sum()).backward()
+        engine.step(optimizer, engine.decide(optimizer))   # three chunks, one sync
+        engine.restore()
+        ```
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        keep_fp32: tuple[type[torch.nn.Module], ...] = DEFAULT_KEEP_FP32,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be a positive number of elements, got {chunk!r}")
+        super().__init__(dtype, keep_fp32, enabled=True)
+        self.chunk = chunk
+        # per optimizer, its latest chunked step while no backward has come since: a step taken again clips alike
+        self._last: dict[Optimizer, ChunkedGrads] = {}
+
+    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
+        """Decide from the half gradients, a chunk at a time: the non-finite flag, each gradient's norm and the edit
+        flags stay on the device; no fp32 gradient outlives its chunk. An optimizer that is not :func:`chunkable` gets
+        the whole step's fp32 gradients."""
+        if not chunkable(optimizer):
+            return super().prepare(optimizer, scale, check_edits)
+        out = ChunkedGrads(optimizer=optimizer, scale=scale, chunk=self.chunk)
+        last = self._last.pop(optimizer, None)
+        if last is not None:  # stepped again with no backward: the same gradients, clipped as they were
+            out.coefficient, out.clip_value = last.coefficient, last.clip_value
+        self._collect(optimizer, out)
+        inv_scale = 1.0 / scale
+        found: list[Optional[Tensor]] = []
+        edited = []
+        for start, stop in _chunks(out.params, self.chunk):
+            params, masters = out.params[start:stop], out.masters[start:stop]
+            fp32 = _fp32_copies(params, masters)
+            found.append(_unscale_(fp32, inv_scale))
+            out.norms.extend(torch._foreach_norm(fp32, 2.0))
+            if check_edits:
+                edited.append(edit_flags(params, masters, [torch.empty_like(p) for p in params]).reshape(-1).any())
+        own = [p.grad for p in out.own_params]  # unscaled in place (already, for a step taken again)
+        found.append(_unscale_(own, 1.0 if last is not None else inv_scale))  # type: ignore[arg-type]
+        flags = [f for f in found if f is not None]
+        out.found_inf = torch.stack([f.to(flags[0].device) for f in flags]).sum() if flags else None
+        if edited:  # one flag per chunk: absorb_edits compares each weight once one is set
+            out.edited = torch.stack(edited).any().reshape(1)
+        return out
+
+    def _collect(self, optimizer: Optimizer, out: Gradients) -> None:
+        """The parameters of ``optimizer`` with a gradient, into ``out``; a frozen one that has one now gets its
+        master."""
+        plan = self.groups.plan(optimizer)
+        unfrozen = [p for p in plan.frozen if p.grad is not None]
+        if unfrozen:
+            for p in unfrozen:
+                self.add_master(p, p.detach().float())
+            plan = self.groups.plan(optimizer)
+        for p, master in plan.pairs:
+            master.grad = None
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise RuntimeError(_SPARSE)
+                out.params.append(p)
+                out.masters.append(master)
+        for p in plan.own:
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise RuntimeError(_SPARSE)
+                out.own_params.append(p)
+
+    def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
+        """Hand ``optimizer`` the masters a chunk at a time, each with its fp32 gradients, clipped as decided; the
+        caller steps once per chunk. The fp32 parameters go with the first chunk."""
+        if not isinstance(grads, ChunkedGrads):
+            yield from super().steps(optimizer, grads)
+            return
+        chunks = list(_chunks(grads.params, grads.chunk)) or [(0, 0)]
+        groups = [(g["params"], list(g["params"])) for g in optimizer.param_groups]
+        state = optimizer.state
+        own = {id(p) for p in grads.own_params}
+        try:
+            for n, (start, stop) in enumerate(chunks):
+                params, masters = grads.params[start:stop], grads.masters[start:stop]
+                fp32 = self._chunk_gradients(grads, params, masters)
+                master_of = {id(p): m for p, m in zip(params, masters)}
+                stepped = master_of.keys() | own if n == 0 else master_of.keys()
+                for slots, full in groups:  # in place: the group's list object stays the optimizer's
+                    slots[:] = [master_of.get(id(p), p) for p in full if id(p) in stepped]
+                for p, m in zip(params, masters):
+                    if p in state:
+                        state[m] = state.pop(p)
+                grads.entered = True
+                try:
+                    yield
+                finally:
+                    for slots, full in groups:
+                        slots[:] = full
+                    for p, m in zip(params, masters):
+                        if m in state:
+                            state[p] = state.pop(m)
+                        m.grad = None
+                    grads.entered = False
+                    _write_halves(params, masters)
+                    del fp32
+            self._last[optimizer] = grads
+        finally:
+            for slots, full in groups:
+                slots[:] = full
+
+    @staticmethod
+    def _chunk_gradients(grads: ChunkedGrads, params: list[Tensor], masters: list[Tensor]) -> list[Tensor]:
+        """The chunk's fp32 gradients on its masters: made from the half gradients now on the parameters (a hook may
+        have edited or dropped one), unscaled by the same kernel as at the decision, then clipped."""
+        kept = [(p, m) for p, m in zip(params, masters) if p.grad is not None]
+        fp32 = _fp32_copies([p for p, _ in kept], [m for _, m in kept])
+        if fp32:
+            _unscale_(fp32, 1.0 / grads.scale)
+            if grads.coefficient is not None:
+                torch._foreach_mul_(fp32, grads.coefficient.to(fp32[0].device))
+            if grads.clip_value is not None:
+                for g in fp32:
+                    g.clamp_(-grads.clip_value, grads.clip_value)
+        for (_, m), g in zip(kept, fp32):
+            m.grad = g
+        return fp32
+
+    def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
+        if isinstance(grads, ChunkedGrads):  # the chunks have already given everything back
+            return
+        super().exit(optimizer, grads, stepped)
+
+    def discard(self, grads: Gradients) -> None:
+        self._last.pop(grads.optimizer, None)  # type: ignore[arg-type]
+        if not isinstance(grads, ChunkedGrads):
+            super().discard(grads)
+            return
+        for p in grads.params:
+            _set_grad(p, None)
+        for p in grads.own_params:
+            p.grad = None
+
+    def restore(self) -> None:
+        self._last.clear()
+        super().restore()
+
+    def release(self, drop: bool) -> None:
+        self._last.clear()
+        super().release(drop)
+
+    def rescale(self, grads: Gradients, scale: float) -> None:
+        """Before a backward into what a chunked step left: the half gradients still carry the scale they were made
+        with and go to ``scale`` (a power of two: exact unless a value leaves the format); the fp32 parameters'
+        gradients were unscaled and are multiplied by ``scale``."""
+        if not isinstance(grads, ChunkedGrads):
+            super().rescale(grads, scale)
+            return
+        half = [p.grad for p in grads.params if p.grad is not None]
+        if half and scale != grads.scale:
+            _compat.foreach_mul_(half, scale / grads.scale)
+        own = [p.grad for p in grads.own_params if p.grad is not None]
+        if own and scale != 1.0:
+            _compat.foreach_mul_(own, scale)
+
+
+def _fp32_copies(params: list[Tensor], masters: list[Tensor]) -> list[Tensor]:
+    """New fp32 tensors holding the gradients of ``params`` (never the gradient itself, even when it is fp32)."""
+    fp32 = [torch.empty_like(m) for m in masters]
+    if fp32:
+        _compat.foreach_copy_(fp32, [p.grad for p in params])  # type: ignore[misc]
+    return fp32

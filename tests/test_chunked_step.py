@@ -1,0 +1,190 @@
+"""``MPTPrecision(chunked_step=...)``: the masters stepped a chunk of parameters at a time equal one whole step's.
+
+Bitwise comparisons here are between two runs in one process on one CPU that do the same arithmetic in the same
+order: each torch optimizer in :data:`CHUNKABLE` updates a parameter from that parameter's tensors alone, so which
+other parameters share its ``optimizer.step()`` call changes no operation; the fp32 gradients are made by the same
+copy and unscale kernels; and the global clipping norm stacks the same per-tensor norms in the optimizer's parameter
+order, as ``clip_grad_norm_`` does over the masters of a whole step.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import lightning as L
+import pytest
+import torch
+from models import InjectInf, quiet_trainer, regression_data
+from torch import nn
+
+from lightning_mpt import MPTPrecision
+from lightning_mpt.core.masters.chunked import ChunkedMasters
+
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+}
+
+
+class Tied(L.LightningModule):
+    """Linear layers, a LayerNorm (fp32, its own master), a frozen layer and two tied weights, in two groups."""
+
+    def __init__(self, optimizer: str = "adamw", clip: Optional[tuple[str, float]] = None) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 24)
+        self.norm = nn.LayerNorm(24)
+        self.b = nn.Linear(24, 24)
+        self.c = nn.Linear(24, 24, bias=False)
+        self.c.weight = self.b.weight  # tied: one master
+        self.frozen = nn.Linear(24, 24)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(24, 4)
+        self.optimizer, self.clip = optimizer, clip
+        self.stepped: list[int] = []  # fp32 gradient elements the optimizer saw at each optimizer.step() call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.a(x)))
+        return self.head(self.frozen(self.c(torch.relu(self.b(h)))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight") and "norm" not in n]
+        rest = [p for n, p in self.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+        optimizer = OPTIMIZERS[self.optimizer]([{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+
+        def count(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:  # after the step: the closure ran
+            self.stepped.append(sum(p.numel() for g in opt.param_groups for p in g["params"] if p.grad is not None))
+
+        optimizer.register_step_post_hook(count)
+        return optimizer
+
+
+def _fit(
+    precision: str,
+    chunk: Any,
+    optimizer: str = "adamw",
+    clip: Optional[tuple[str, float]] = None,
+    callbacks: Optional[list[L.Callback]] = None,
+    steps: int = 6,
+) -> tuple[Tied, MPTPrecision]:
+    torch.manual_seed(0)
+    model = Tied(optimizer)
+    plugin = MPTPrecision(precision, chunked_step=chunk)  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    if clip is not None:
+        kwargs = {"gradient_clip_algorithm": clip[0], "gradient_clip_val": clip[1]}
+    trainer = quiet_trainer(max_steps=steps, plugins=[plugin], callbacks=callbacks or [], **kwargs)
+    trainer.fit(model, regression_data(n=96, batch_size=16))
+    return model, plugin
+
+
+def _assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "clip"),
+    [
+        ("bf16", "adamw", None),
+        ("bf16", "sgd", ("norm", 0.05)),
+        ("bf16", "adagrad", ("value", 0.01)),
+        ("fp16", "adamw", ("norm", 0.05)),
+        ("fp16", "rmsprop", None),
+    ],
+)
+def test_chunks_step_the_masters_of_a_whole_step(precision: str, optimizer: str, clip: Any) -> None:
+    whole, _ = _fit(precision, False, optimizer, clip)
+    chunked, plugin = _fit(precision, 600, optimizer, clip)
+    assert isinstance(plugin._engine.masters, ChunkedMasters)
+    _assert_same_weights(whole, chunked)
+    # the whole step steps every trainable tensor at once; the chunks of ~600 elements in two calls
+    trainable = sum(p.numel() for p in {id(p): p for p in whole.parameters() if p.requires_grad}.values())
+    assert set(whole.stepped) == {trainable}
+    assert len(chunked.stepped) == 2 * len(whole.stepped)
+    assert max(chunked.stepped) < trainable
+    assert sum(chunked.stepped) == sum(whole.stepped)
+
+
+def test_a_skipped_step_changes_nothing_and_the_run_goes_on_as_a_whole_one() -> None:
+    inject = [InjectInf("b.weight", steps={2})]
+    whole, p_whole = _fit("fp16", False, callbacks=inject)
+    chunked, p_chunked = _fit("fp16", 300, callbacks=copy.deepcopy(inject))
+    assert p_whole.skipped_steps == p_chunked.skipped_steps == 1
+    assert p_chunked._engine.log.history[2].skipped
+    _assert_same_weights(whole, chunked)
+
+
+def test_an_optimizer_that_cannot_be_chunked_takes_the_whole_step() -> None:
+    class Custom(torch.optim.AdamW):  # a subclass may read other parameters: not chunked
+        pass
+
+    OPTIMIZERS["custom"] = lambda p: Custom(p, lr=1e-2, weight_decay=0.1)
+    try:
+        whole, _ = _fit("bf16", False, "adamw")
+        custom, _ = _fit("bf16", 300, "custom")
+    finally:
+        del OPTIMIZERS["custom"]
+    assert len(custom.stepped) == len(whole.stepped)
+    _assert_same_weights(whole, custom)
+
+
+class MasterGradients(L.Callback):
+    """Elements of fp32 master gradients alive after each step."""
+
+    def __init__(self) -> None:
+        self.alive: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        masters = {id(m): m for m in trainer.precision_plugin.main_params(trainer.optimizers[0])}.values()
+        self.alive.append(sum(m.grad.numel() for m in masters if m.grad is not None and m.dtype == torch.float32))
+
+
+def test_the_step_holds_one_chunk_of_fp32_gradients() -> None:
+    whole, chunked = MasterGradients(), MasterGradients()
+    model, _ = _fit("bf16", False, callbacks=[whole])
+    _fit("bf16", 600, callbacks=[chunked])
+    trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    assert whole.alive == [trainable] * 6  # a whole step keeps them until the next forward
+    assert chunked.alive == [48] * 6  # only the LayerNorm's own gradients, which are its parameters'
+    assert max(model.stepped) == trainable
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "yes"])
+def test_bad_chunk_sizes_are_refused(value: Any) -> None:
+    with pytest.raises(ValueError, match="chunked_step"):
+        MPTPrecision("bf16", chunked_step=value)
+
+
+def test_chunks_need_masters() -> None:
+    with pytest.raises(ValueError, match="master_weights=True"):
+        MPTPrecision("bf16", chunked_step=True, master_weights=False)
+
+
+def test_gradient_histograms_show_the_true_gradients(tmp_path: Any) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tb_events import read_events
+
+    from lightning_mpt.callbacks import GradientHistogramMonitor
+
+    logged = {}
+    for chunk in (False, 300):
+        logger = TensorBoardLogger(tmp_path, name=str(chunk), version=0)
+        torch.manual_seed(0)
+        plugin = MPTPrecision("fp16", chunked_step=chunk)
+        callbacks = [GradientHistogramMonitor(every_n_steps=1)]
+        trainer = quiet_trainer(max_steps=3, plugins=[plugin], callbacks=callbacks, logger=logger)
+        trainer.fit(Tied(), regression_data(n=96, batch_size=16))
+        events = read_events(logger.log_dir)
+        logged[chunk] = {
+            tag: [(e.step, e.histogram_value.bucket, e.histogram_value.bucket_limit) for e in events.Histograms(tag)]
+            for tag in events.Tags()["histograms"]
+        }
+    assert any(tag.startswith("mpt/grad/") for tag in logged[False])  # the true gradients' values
+    assert logged[False] == logged[300]
