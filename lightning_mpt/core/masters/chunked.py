@@ -96,7 +96,7 @@ class ChunkedGrads(Gradients):
         own: list[Tensor] = [p.grad for p in with_grad]  # type: ignore[misc]
         norm_of = dict(zip(map(id, self.params), self.norms))
         if own:
-            norm_of.update(zip(map(id, with_grad), torch._foreach_norm(own, 2.0)))
+            norm_of.update(zip(map(id, with_grad), _compat.foreach_norm(own, 2.0)))
         ordered = [norm_of[id(p)] for p in params_of(self.optimizer) if id(p) in norm_of]  # type: ignore[arg-type]
         if not ordered:
             return torch.tensor(0.0)
@@ -104,7 +104,7 @@ class ChunkedGrads(Gradients):
         coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         self.coefficient = coefficient if self.coefficient is None else self.coefficient * coefficient
         if own:
-            torch._foreach_mul_(own, coefficient.to(own[0].device))
+            _compat.foreach_mul_(own, coefficient.to(own[0].device))
         return total
 
     def clip_by_value(self, value: float) -> None:
@@ -170,7 +170,7 @@ class ChunkedMasters(CopyMasters):
             params, masters = out.params[start:stop], out.masters[start:stop]
             fp32 = _fp32_copies(params, masters)
             found.append(_unscale_(fp32, inv_scale))
-            out.norms.extend(torch._foreach_norm(fp32, 2.0))
+            out.norms.extend(_compat.foreach_norm(fp32, 2.0))
             if check_edits:
                 edited.append(edit_flags(params, masters, [torch.empty_like(p) for p in params]).reshape(-1).any())
         own = [p.grad for p in out.own_params]  # unscaled in place (already, for a step taken again)
@@ -251,7 +251,7 @@ class ChunkedMasters(CopyMasters):
         if fp32:
             _unscale_(fp32, 1.0 / grads.scale)
             if grads.coefficient is not None:
-                torch._foreach_mul_(fp32, grads.coefficient.to(fp32[0].device))
+                _compat.foreach_mul_(fp32, grads.coefficient.to(fp32[0].device))
             if grads.clip_value is not None:
                 for g in fp32:
                     g.clamp_(-grads.clip_value, grads.clip_value)
