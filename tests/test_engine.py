@@ -165,3 +165,16 @@ def test_step_in_closure_runs_lbfgs_on_the_masters():
     assert evaluations[-1] < 0.8 * evaluations[0]
     assert engine.log.steps == 3
     assert all(m.dtype == torch.float32 for _, _, m in engine.masters.named_masters())
+
+
+def test_an_edit_flagged_per_range_of_weights_is_found_in_its_own_weight():
+    # on a CPU the edit check flags a range of 2**24 elements at once; a model larger than that gives one flag per
+    # range, fewer than its weights: the edited weight must be found by comparing each, not by position
+    from lightning_mpt.core.masters._edits import edited_pairs
+
+    masters = [torch.full((3,), float(i)) for i in range(3)]
+    halves = [m.half() for m in masters]
+    halves[2][0] = 7.0
+    pairs = list(zip(halves, masters))
+    assert edited_pairs(pairs, [0.0, 1.0]) == [pairs[2]]
+    assert edited_pairs(pairs, [0.0, 0.0]) == []
