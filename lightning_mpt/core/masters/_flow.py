@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, whole_step
 from lightning_mpt.core.masters._edits import edit_flags
-from lightning_mpt.core.masters._groups import GroupSwap
+from lightning_mpt.core.masters._groups import GroupPlan, GroupSwap
 
 _SPARSE = "MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False)."
 
@@ -41,6 +41,23 @@ class GradientFlow:
         device. A parameter without a gradient gets none on its master either, so the optimizer leaves it alone.
         """
         out = Gradients(optimizer=optimizer)
+        plan = self.collect(optimizer, out)
+        edited = []
+        for start, stop in _chunks(out.params):
+            edited.append(self._to_fp32(out, start, stop, check_edits))
+        if check_edits and edited:
+            out.edited = torch.cat(edited)
+        out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale, plan.device)
+        if not _compat.GRAD_DTYPE and out.on_params:
+            _compat.foreach_copy_(out.on_params, out.master_grads)  # hooks see the unscaled values, in the half format
+        if not _compat.GRAD_DTYPE:  # hooks edit the half copies; clipping edits the master gradients
+            out.on_params_versions = [_compat.version(g) for g in out.on_params]
+            out.master_versions = [_compat.version(g) for g in out.master_grads]
+        return out
+
+    def collect(self, optimizer: Optimizer, out: Gradients) -> GroupPlan:
+        """Put the parameters of ``optimizer`` that have a gradient into ``out`` (a master whose parameter has none
+        gets none either, so the optimizer leaves it alone); a frozen one that has one now gets its master."""
         plan = self.groups.plan(optimizer)
         unfrozen = [p for p in plan.frozen if p.grad is not None] if self.enabled else []
         if unfrozen:  # frozen at conversion, trainable now: its master starts from its half value
@@ -62,18 +79,7 @@ class GradientFlow:
                 if grad.is_sparse:
                     raise RuntimeError(_SPARSE)
                 out.own_params.append(p)
-        edited = []
-        for start, stop in _chunks(out.params):
-            edited.append(self._to_fp32(out, start, stop, check_edits))
-        if check_edits and edited:
-            out.edited = torch.cat(edited)
-        out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale, plan.device)
-        if not _compat.GRAD_DTYPE and out.on_params:
-            _compat.foreach_copy_(out.on_params, out.master_grads)  # hooks see the unscaled values, in the half format
-        if not _compat.GRAD_DTYPE:  # hooks edit the half copies; clipping edits the master gradients
-            out.on_params_versions = [_compat.version(g) for g in out.on_params]
-            out.master_versions = [_compat.version(g) for g in out.master_grads]
-        return out
+        return plan
 
     def _to_fp32(self, out: Gradients, start: int, stop: int, check_edits: bool) -> Tensor:
         """Give ``out.params[start:stop]`` fp32 gradients (on their masters, and on themselves where torch allows it,

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
 from lightning_mpt.core.masters._edits import edit_flags
-from lightning_mpt.core.masters._flow import _SPARSE, _chunks, _set_grad, _unscale_, _write_halves
+from lightning_mpt.core.masters._flow import _chunks, _set_grad, _unscale_, _write_halves
 from lightning_mpt.core.masters.copies import CopyMasters
 
 __all__ = ["CHUNKABLE", "DEFAULT_CHUNK", "ChunkedGrads", "ChunkedMasters", "chunkable"]
@@ -162,7 +162,7 @@ class ChunkedMasters(CopyMasters):
         last = self._last.pop(optimizer, None)
         if last is not None:  # stepped again with no backward: the same gradients, clipped as they were
             out.coefficient, out.clip_value = last.coefficient, last.clip_value
-        self._collect(optimizer, out)
+        self.collect(optimizer, out)
         inv_scale = 1.0 / scale
         found: list[Optional[Tensor]] = []
         edited = []
@@ -180,28 +180,6 @@ class ChunkedMasters(CopyMasters):
         if edited:  # one flag per chunk: absorb_edits compares each weight once one is set
             out.edited = torch.stack(edited).any().reshape(1)
         return out
-
-    def _collect(self, optimizer: Optimizer, out: Gradients) -> None:
-        """The parameters of ``optimizer`` with a gradient, into ``out``; a frozen one that has one now gets its
-        master."""
-        plan = self.groups.plan(optimizer)
-        unfrozen = [p for p in plan.frozen if p.grad is not None]
-        if unfrozen:
-            for p in unfrozen:
-                self.add_master(p, p.detach().float())
-            plan = self.groups.plan(optimizer)
-        for p, master in plan.pairs:
-            master.grad = None
-            if p.grad is not None:
-                if p.grad.is_sparse:
-                    raise RuntimeError(_SPARSE)
-                out.params.append(p)
-                out.masters.append(master)
-        for p in plan.own:
-            if p.grad is not None:
-                if p.grad.is_sparse:
-                    raise RuntimeError(_SPARSE)
-                out.own_params.append(p)
 
     def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
         """Hand ``optimizer`` the masters a chunk at a time, each with its fp32 gradients, clipped as decided; the
