@@ -32,6 +32,7 @@ from typing import Any, Optional, Union
 
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.exponent_axis import FORMATS
+from lightning_mpt.report_advice import Advice, advise, format_advice
 from lightning_mpt.report_events import (
     ExponentHistogram,
     ReportError,
@@ -133,6 +134,7 @@ class RunSummary:
     update_underflow: Optional[Stats]  # mpt/update_underflow_fraction
     worst_update_underflow: list[Ranked]
     exponents: Optional[ExponentHistogram]
+    advice: list[Advice] = field(default_factory=list)  # what to change and why (lightning_mpt.report_advice)
 
 
 @dataclass
@@ -169,7 +171,6 @@ def _finite(x: Any) -> Any:
     return x
 
 
-# ------------------------------------------------------------------------------------------------------ reading
 # ---------------------------------------------------------------------------------------------------- summaries
 def summarize(run: RunData) -> RunSummary:
     """The summary of one run: steps, skips, scale statistics, the first overflow, the parameters most often
@@ -284,7 +285,10 @@ def build_report(logdir: Union[str, Path]) -> Report:
             + "expected a run trained with lightning_mpt's callbacks (LossScaleMonitor, UnderflowMonitor, "
             "GradientHistogramMonitor) and a TensorBoardLogger."
         )
-    return Report(str(logdir), [summarize(r) for r in data], data, ignored, unreadable)
+    runs = [summarize(r) for r in data]
+    for run, summary in zip(data, runs):
+        summary.advice = advise(run, summary)
+    return Report(str(logdir), runs, data, ignored, unreadable)
 
 
 # ---------------------------------------------------------------------------------------------------- the text
@@ -350,6 +354,8 @@ def format_text(report: Report, top: int = 5) -> str:
             top,
             "none above 0%",
         )
+    lines += ["", "advice (what to change, and why):"]
+    lines += [line for r, name in zip(runs, head[1:]) for line in format_advice(name, r.advice)]
     if report.ignored:
         lines += ["", f"no {PREFIX} tags, not reported: {', '.join(report.ignored)}"]
     if report.unreadable:
