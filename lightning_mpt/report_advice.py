@@ -308,7 +308,7 @@ def masters(run: RunData, summary: RunSummary, facts: _Facts) -> Optional[Advice
     where = f"; worst: {worst.name} ({_pct(worst.stats.mean)})" if worst else ""
     lost = (
         f"{_pct(stats.last)} of the updates at step {stats.last_step} ({_pct(stats.mean)} on average over "
-        f"{stats.points} logged steps{where}) are too small to change a weight stored in {fmt}: w + u rounds back to w"
+        f"{stats.points} logged steps{where}) are too small to change a weight stored in {fmt} (w + u rounds back to w)"
     )
     if facts.masters is False:
         return Advice("masters", f"Without fp32 master weights, {lost}. Turn master_weights on.", numbers)

@@ -279,3 +279,25 @@ def test_text_and_json_carry_the_advice(fits: dict[str, Fit], capsys: pytest.Cap
     assert f"  - {first['text']} [skips_at_start]" in tail
     quiet = format_text(build_report(log_dir(fits["grows"])))
     assert quiet.rstrip().endswith("nothing to change (no rule applies)")
+
+
+# ----------------------------------------------------------------------------------------------------- plots
+def test_underflow_plot_adapts_to_the_logged_steps(fits: dict[str, Fit], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from lightning_mpt.report_plots import underflow_figure
+
+    write_run(tmp_path / "once", headroom=6.5)  # the flush fraction logged at step 4 only
+    for path, kind in ((tmp_path, "bars"), (log_dir(fits["static_low"]), "heatmap")):
+        report = build_report(path)
+        fig = underflow_figure(report.data[0], report.runs[0])
+        ax = fig.axes[0]
+        if kind == "bars":  # one column of a heatmap would invent a time axis around step 4
+            assert len(fig.axes) == 1
+            assert ax.get_xlabel() == "flush fraction (%)"
+            assert "at step 4, the one logged step" in ax.get_title()
+            assert [t.get_text() for t in ax.get_yticklabels()] == ["embed.weight", "head.weight"]
+        else:  # one column per fp32 reference step, the optimizer step on the x axis, and a colour bar
+            assert len(fig.axes) == 2
+            assert ax.get_xlabel() == "optimizer step"
+            fig.canvas.draw()
+            assert all(float(t).is_integer() for t in ax.get_xticks())
