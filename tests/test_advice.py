@@ -233,23 +233,24 @@ def test_masters(fits: dict[str, Fit]) -> None:
 
 
 # -------------------------------------------------------------------------------- written event files
-def write_run(path: Path, headroom: float) -> None:
-    """An fp16 run's tags as the monitors write them: at step 4 of a dynamic scale 2^10, a layer that lost 25% of
-    its gradient values, with ``headroom`` bits above the largest gradient."""
+def write_run(path: Path, headroom: float, reference_steps: tuple[int, ...] = (4,)) -> None:
+    """An fp16 run's tags as the monitors write them: at the fp32 reference steps (4) of a dynamic scale 2^10, a layer
+    that lost 25% of its gradient values, with ``headroom`` bits above the largest gradient."""
     with SummaryWriter(str(path)) as writer:
         sink = Sink(writer)
         sink.record(tags.RUN_RECORD, {"format": "fp16", "loss_scaling": "dynamic", "scaler": None}, 0)
         for step in range(5):
             sink.scalars({tags.LOSS_SCALE: 2.0**10, tags.OVERFLOW: 0.0, tags.SKIPPED_STEPS: 0.0}, step)
-        sink.scalars(
-            {
-                tags.GRAD_UNDERFLOW: 0.125,
-                tags.per_parameter(tags.GRAD_UNDERFLOW, "embed.weight"): 0.25,
-                tags.per_parameter(tags.GRAD_UNDERFLOW, "head.weight"): 0.0,
-                tags.SCALE_HEADROOM: headroom,
-            },
-            4,
-        )
+        for step in reference_steps:
+            sink.scalars(
+                {
+                    tags.GRAD_UNDERFLOW: 0.125,
+                    tags.per_parameter(tags.GRAD_UNDERFLOW, "embed.weight"): 0.25,
+                    tags.per_parameter(tags.GRAD_UNDERFLOW, "head.weight"): 0.0,
+                    tags.SCALE_HEADROOM: headroom,
+                },
+                step,
+            )
 
 
 def test_bf16_for_gradients_wider_than_fp16(tmp_path: Path) -> None:
@@ -287,7 +288,9 @@ def test_underflow_plot_adapts_to_the_logged_steps(fits: dict[str, Fit], tmp_pat
     from lightning_mpt.report_plots import underflow_figure
 
     write_run(tmp_path / "once", headroom=6.5)  # the flush fraction logged at step 4 only
-    for path, kind in ((tmp_path, "bars"), (log_dir(fits["static_low"]), "heatmap")):
+    write_run(tmp_path / "twice", headroom=6.5, reference_steps=(3, 4))  # two steps: no half steps between them
+    cases = [(tmp_path / "once", "bars"), (tmp_path / "twice", "heatmap"), (log_dir(fits["static_low"]), "heatmap")]
+    for path, kind in cases:
         report = build_report(path)
         fig = underflow_figure(report.data[0], report.runs[0])
         ax = fig.axes[0]
