@@ -73,7 +73,7 @@ def train(name: str, scaler: Any, steps: int, logdir: str) -> dict[str, Any]:
         enable_model_summary=False,
         enable_progress_bar=False,
     )
-    data = DataLoader(synthetic(32 * steps, 32, 8, 0), batch_size=32, shuffle=True)
+    data = DataLoader(synthetic(32 * 160, 32, 8, 0), batch_size=32, shuffle=True)  # one epoch of the default run
     trainer.fit(WeightedLoss(), data)
     return {
         "steps": trainer.global_step,
@@ -86,7 +86,7 @@ def train(name: str, scaler: Any, steps: int, logdir: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=160)
     p.add_argument("--logdir", default="runs/story")
     p.add_argument("--no-plots", action="store_true", help="print the report only")
     args = p.parse_args(argv)
