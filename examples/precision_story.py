@@ -2,6 +2,7 @@
 and what ``lightning-mpt report`` advises.
 
     python examples/precision_story.py            # about a minute on 2 CPU cores; runs/story, then the report
+    python examples/precision_story.py --fast     # 60 steps: the same story, shorter (a few seconds)
     lightning-mpt report runs/story               # the same report again; plots in runs/story/report
     tensorboard --logdir runs/story               # the "Mixed precision" dashboard
 
@@ -52,12 +53,12 @@ def scalers() -> dict[str, Any]:
     }
 
 
-def train(name: str, scaler: Any, steps: int, logdir: str) -> dict[str, Any]:
+def train(name: str, scaler: Any, steps: int, logdir: str, accelerator: str = "cpu") -> dict[str, Any]:
     """One seeded fp16 run with the three monitors; what the plugin saw."""
     L.seed_everything(0, verbose=False)
     plugin = MPTPrecision("fp16", scaler=scaler)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         max_steps=steps,
         plugins=[plugin],
@@ -87,11 +88,14 @@ def train(name: str, scaler: Any, steps: int, logdir: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--fast", action="store_true", help="60 steps (what tests/test_examples.py runs)")
+    p.add_argument("--accelerator", default="cpu", help="the numbers in the docs are the CPU's")
     p.add_argument("--logdir", default="runs/story")
     p.add_argument("--no-plots", action="store_true", help="print the report only")
     args = p.parse_args(argv)
 
-    runs = {name: train(name, scaler, args.steps, args.logdir) for name, scaler in scalers().items()}
+    steps = 60 if args.fast else args.steps
+    runs = {name: train(name, scaler, steps, args.logdir, args.accelerator) for name, scaler in scalers().items()}
     for name, run in runs.items():
         print(f"{name}: {len(run['skipped'])} skipped steps of {run['steps']} (at {run['skipped']})")
     print()

@@ -42,7 +42,7 @@ def test_quickstart(tmp_path: Path) -> None:
 def test_precision_story_overflows_recovers_underflows_and_advises(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = precision_story.main(["--steps", "60", "--logdir", str(tmp_path), "--no-plots"])
+    out = precision_story.main(["--fast", "--logdir", str(tmp_path), "--no-plots"])
     dynamic, unscaled = out["runs"]["dynamic"], out["runs"]["unscaled"]
     # the scale starts above what the gradients allow and backs off, then overflows again later (a real overflow:
     # nothing is injected), skips that step and grows again
