@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.exponent_axis import FORMATS
-from lightning_mpt.report_advice import Advice, advise, format_advice
+from lightning_mpt.report_advice import Advice, advice_section, advise
 from lightning_mpt.report_events import (
     ExponentHistogram,
     ReportError,
@@ -198,7 +198,7 @@ def summarize(run: RunData) -> RunSummary:
         loss_nonfinite = sum(v > 0 for _, v in run.series(tags.LOSS_NONFINITE))
     stops = run.record_list(tags.STOP_RECORD)
     underflow_tag = next((t for t in UNDERFLOW_TAGS if run.per_parameter(t)), None)
-    return RunSummary(
+    summary = RunSummary(
         run=run.name,
         path=str(run.path),
         format=_format(run),
@@ -219,6 +219,8 @@ def summarize(run: RunData) -> RunSummary:
         worst_update_underflow=_ranked(run, tags.UPDATE_UNDERFLOW),
         exponents=run.exponents,
     )
+    summary.advice = advise(run, summary)  # what to change, from the numbers above
+    return summary
 
 
 def _ranked(run: RunData, tag: str) -> list[Ranked]:
@@ -285,10 +287,7 @@ def build_report(logdir: Union[str, Path]) -> Report:
             + "expected a run trained with lightning_mpt's callbacks (LossScaleMonitor, UnderflowMonitor, "
             "GradientHistogramMonitor) and a TensorBoardLogger."
         )
-    runs = [summarize(r) for r in data]
-    for run, summary in zip(data, runs):
-        summary.advice = advise(run, summary)
-    return Report(str(logdir), runs, data, ignored, unreadable)
+    return Report(str(logdir), [summarize(r) for r in data], data, ignored, unreadable)
 
 
 # ---------------------------------------------------------------------------------------------------- the text
@@ -354,8 +353,7 @@ def format_text(report: Report, top: int = 5) -> str:
             top,
             "none above 0%",
         )
-    lines += ["", "advice (what to change, and why):"]
-    lines += [line for r, name in zip(runs, head[1:]) for line in format_advice(name, r.advice)]
+    lines += advice_section(head[1:], [r.advice for r in runs])
     if report.ignored:
         lines += ["", f"no {PREFIX} tags, not reported: {', '.join(report.ignored)}"]
     if report.unreadable:

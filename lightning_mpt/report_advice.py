@@ -10,7 +10,7 @@ Example:
     from lightning_mpt.report import build_report
 
     for run in build_report("runs").runs:
-        for advice in run.advice:          # computed by build_report with advise()
+        for advice in run.advice:          # computed by summarize() with advise()
             print(advice.rule, advice.text, advice.numbers)
     ```
 """
@@ -29,7 +29,7 @@ from lightning_mpt.report_events import RunData, Series
 if TYPE_CHECKING:
     from lightning_mpt.report import RunSummary
 
-__all__ = ["RULES", "Advice", "advise", "format_advice"]
+__all__ = ["RULES", "Advice", "advice_section", "advise"]
 
 # ----------------------------------------------------------------------------------------------- thresholds
 # One or two skipped steps while a dynamic scale probes down from its initial value are the scaler at work (the
@@ -322,16 +322,8 @@ def masters(run: RunData, summary: RunSummary, facts: _Facts) -> Optional[Advice
 
 Rule = Callable[[RunData, "RunSummary", _Facts], Optional[Advice]]
 #: the rules, in the order their advice is printed: what skips steps first, then what loses gradient values
-RULES: tuple[Rule, ...] = (
-    static_overflow,
-    skips_at_start,
-    one_param,
-    bf16,
-    underflow,
-    growth_interval,
-    headroom,
-    masters,
-)
+RULES: tuple[Rule, ...] = (static_overflow, skips_at_start, one_param, bf16)
+RULES += (underflow, growth_interval, headroom, masters)
 
 
 def advise(run: RunData, summary: RunSummary) -> list[Advice]:
@@ -354,22 +346,29 @@ def advise(run: RunData, summary: RunSummary) -> list[Advice]:
     return [a for rule in RULES if (a := rule(run, summary, facts)) is not None]
 
 
-def format_advice(name: str, advice: list[Advice]) -> list[str]:
-    """The text lines of one run's advice for the report (``name``: the run's column name).
+def advice_section(names: list[str], advice: list[list[Advice]]) -> list[str]:
+    """The report's closing section: a blank line, its title, then each run's name and its advice, one line each
+    (``nothing to change`` for a run no rule applies to).
 
     Args:
-        name: the run's name as the table shows it.
-        advice: its advice (:func:`advise`).
+        names: the runs' names as the table shows them.
+        advice: each run's advice (:func:`advise`), in the same order.
 
     Example:
         ```python
-        lines = format_advice("dynamic", [Advice("masters", "Keep them.", {})])
-        assert lines == ["dynamic:", "  - Keep them. [masters]"]
+        lines = advice_section(["a", "b"], [[], [Advice("masters", "Keep them.", {})]])
+        assert lines[1:] == ["advice (what to change, and why):", "a: nothing to change (no rule applies)", "b:",
+                             "  - Keep them. [masters]"]
         ```
     """
-    if not advice:
-        return [f"{name}: nothing to change (no rule applies)"]
-    return [f"{name}:", *(f"  - {a.text} [{a.rule}]" for a in advice)]
+    lines = ["", "advice (what to change, and why):"]
+    for name, found in zip(names, advice):
+        lines += (
+            [f"{name}:", *(f"  - {a.text} [{a.rule}]" for a in found)]
+            if found
+            else [f"{name}: nothing to change (no rule applies)"]
+        )
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
