@@ -32,6 +32,7 @@ from typing import Any, Optional, Union
 
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.exponent_axis import FORMATS
+from lightning_mpt.report_advice import Advice, advice_section, advise
 from lightning_mpt.report_events import (
     ExponentHistogram,
     ReportError,
@@ -133,6 +134,7 @@ class RunSummary:
     update_underflow: Optional[Stats]  # mpt/update_underflow_fraction
     worst_update_underflow: list[Ranked]
     exponents: Optional[ExponentHistogram]
+    advice: list[Advice] = field(default_factory=list)  # what to change and why (lightning_mpt.report_advice)
 
 
 @dataclass
@@ -169,7 +171,6 @@ def _finite(x: Any) -> Any:
     return x
 
 
-# ------------------------------------------------------------------------------------------------------ reading
 # ---------------------------------------------------------------------------------------------------- summaries
 def summarize(run: RunData) -> RunSummary:
     """The summary of one run: steps, skips, scale statistics, the first overflow, the parameters most often
@@ -197,7 +198,7 @@ def summarize(run: RunData) -> RunSummary:
         loss_nonfinite = sum(v > 0 for _, v in run.series(tags.LOSS_NONFINITE))
     stops = run.record_list(tags.STOP_RECORD)
     underflow_tag = next((t for t in UNDERFLOW_TAGS if run.per_parameter(t)), None)
-    return RunSummary(
+    summary = RunSummary(
         run=run.name,
         path=str(run.path),
         format=_format(run),
@@ -218,6 +219,8 @@ def summarize(run: RunData) -> RunSummary:
         worst_update_underflow=_ranked(run, tags.UPDATE_UNDERFLOW),
         exponents=run.exponents,
     )
+    summary.advice = advise(run, summary)  # what to change, from the numbers above
+    return summary
 
 
 def _ranked(run: RunData, tag: str) -> list[Ranked]:
@@ -350,6 +353,7 @@ def format_text(report: Report, top: int = 5) -> str:
             top,
             "none above 0%",
         )
+    lines += advice_section(head[1:], [r.advice for r in runs])
     if report.ignored:
         lines += ["", f"no {PREFIX} tags, not reported: {', '.join(report.ignored)}"]
     if report.unreadable:

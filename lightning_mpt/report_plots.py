@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.report import UNDERFLOW_TAGS, ExponentHistogram, Report, RunData, RunSummary, format_scale
 
-__all__ = ["plot_exponents", "plot_scale", "plot_underflow_heatmap", "write_plots"]
+__all__ = ["plot_exponents", "plot_scale", "plot_underflow_heatmap", "underflow_figure", "write_plots"]
 
 SCALE_PNG = "scale.png"
 HEATMAP_PNG = "underflow_heatmap.png"
@@ -62,7 +62,7 @@ def write_plots(report: Report, out: Union[str, Path]) -> list[Path]:
 
 def plot_scale(runs: Sequence[RunData], path: Union[str, Path]) -> Path:
     """The loss scale over the optimizer steps on a log2 axis, skipped steps marked ``x``; several runs overlaid."""
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig, ax = _figure(8, 3.6)
     for i, run in enumerate(runs):
@@ -82,6 +82,7 @@ def plot_scale(runs: Sequence[RunData], path: Union[str, Path]) -> Path:
         )
     ax.set_yscale("log", base=2)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"$2^{{{math.log2(v):g}}}$" if v > 0 else ""))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # optimizer steps are whole numbers
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss scale")
     ax.set_title("Loss scale" + (" by run" if len(runs) > 1 else "") + " (x: skipped steps)")
@@ -91,8 +92,30 @@ def plot_scale(runs: Sequence[RunData], path: Union[str, Path]) -> Path:
 
 
 def plot_underflow_heatmap(run: RunData, summary: RunSummary, path: Union[str, Path]) -> Path:
-    """Per-parameter underflow over time (the summary's ``underflow_tag``): one row per parameter, worst first."""
+    """Per-parameter underflow over time (the summary's ``underflow_tag``): one row per parameter, worst first; with
+    a single logged step, one bar per parameter at that step instead (see :func:`underflow_figure`)."""
+    return _save(underflow_figure(run, summary), path)
+
+
+def underflow_figure(run: RunData, summary: RunSummary) -> Any:
+    """The matplotlib ``Figure`` of :func:`plot_underflow_heatmap`: a heatmap over the optimizer steps, or bars when
+    the underflow was logged at one step only (a heatmap of one column would invent a time axis around it).
+
+    Args:
+        run: the run's data (:func:`lightning_mpt.report.load_runs`).
+        summary: its summary, whose ``underflow_tag`` picks the tag and ``worst_underflow`` the rows.
+
+    Example:
+        ```python
+        from lightning_mpt.report import build_report
+
+        report = build_report("runs")
+        fig = underflow_figure(report.data[0], report.runs[0])
+        print(fig.axes[0].get_xlabel())   # "optimizer step", or "flush fraction (%)" for one logged step
+        ```
+    """
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     tag = summary.underflow_tag
     if tag is None:
@@ -100,14 +123,24 @@ def plot_underflow_heatmap(run: RunData, summary: RunSummary, path: Union[str, P
     per_param = run.per_parameter(tag)
     names = [r.name for r in summary.worst_underflow][:MAX_HEATMAP_ROWS]
     steps = sorted({s for n in names for s, _ in per_param[n]})
+    fig, ax = _figure(8, 1.6 + 0.28 * len(names))
+    total = len(summary.worst_underflow)
+    shown = f"of the worst {len(names)} of {total} parameters" if total > len(names) else "by parameter"
+    if len(steps) == 1:
+        ax.barh(range(len(names)), [100 * dict(per_param[n]).get(steps[0], math.nan) for n in names], color="C1")
+        ax.set_yticks(range(len(names)), names, fontsize="small")
+        ax.invert_yaxis()  # worst on top
+        ax.set_xlabel(f"{UNDERFLOW_TAGS[tag]} (%)")
+        ax.set_title(f"{UNDERFLOW_TAGS[tag].capitalize()} {shown} at step {steps[0]}, the one logged step")
+        ax.grid(True, axis="x", alpha=0.3)
+        return fig
     column = {s: j for j, s in enumerate(steps)}
     grid = np.full((len(names), len(steps)), np.nan)
     for i, name in enumerate(names):
         for s, v in per_param[name]:
             grid[i, column[s]] = 100 * v
-    fig, ax = _figure(8, 1.6 + 0.28 * len(names))
     x = np.asarray(steps, dtype=float)
-    half = np.diff(x).min() / 2 if len(x) > 1 else 0.5
+    half = np.diff(x).min() / 2
     edges = np.concatenate([[x[0] - half], (x[1:] + x[:-1]) / 2, [x[-1] + half]])
     top = np.nanmax(grid) if np.isfinite(grid).any() else 0.0
     mesh = ax.pcolormesh(
@@ -117,10 +150,9 @@ def plot_underflow_heatmap(run: RunData, summary: RunSummary, path: Union[str, P
     ax.set_yticks(np.arange(len(names)) + 0.5, names, fontsize="small")
     ax.invert_yaxis()  # worst on top
     ax.set_xlabel("optimizer step")
-    total = len(summary.worst_underflow)
-    shown = f"of the worst {len(names)} of {total} parameters" if total > len(names) else "by parameter"
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_title(f"{UNDERFLOW_TAGS[tag].capitalize()} {shown}, max {top:.3g}%")
-    return _save(fig, path)
+    return fig
 
 
 def plot_exponents(hist: ExponentHistogram, path: Union[str, Path], scale: Optional[float] = None) -> Path:

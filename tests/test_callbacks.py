@@ -781,6 +781,16 @@ def test_records_of_skipped_steps_summary_and_run(fp16_run):
         "plugin": "MPTPrecision",
         "precision": "16-mixed",
         "loss_scaling": "dynamic",
+        "scaler": {
+            "scale": 2.0**10,
+            "growth_interval": 2,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "hysteresis": 1,
+            "min_scale": 1.0,
+            "max_scale": 2.0**24,
+        },
+        "master_weights": True,
         "monitors": ["LossScaleMonitor", "GradientHistogramMonitor", "UnderflowMonitor"],
     }
     assert "mpt/data/stopped" not in ea.Tags()["tensors"]

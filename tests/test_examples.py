@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bert_finetune  # noqa: E402
 import grad_accumulation  # noqa: E402
 import memory_breakdown  # noqa: E402
+import precision_story  # noqa: E402
 import quickstart  # noqa: E402
 import resnet_synthetic  # noqa: E402
 import run_all  # noqa: E402
@@ -36,6 +37,28 @@ def test_quickstart(tmp_path: Path) -> None:
     assert out["steps"] == 60
     assert out["skipped_steps"] == 0
     assert out["val_acc"] > 0.5  # 8 classes: chance is 0.125
+
+
+def test_precision_story_overflows_recovers_underflows_and_advises(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = precision_story.main(["--fast", "--logdir", str(tmp_path), "--no-plots"])
+    dynamic, unscaled = out["runs"]["dynamic"], out["runs"]["unscaled"]
+    # the scale starts above what the gradients allow and backs off, then overflows again later (a real overflow:
+    # nothing is injected), skips that step and grows again
+    assert dynamic["skipped"][0] == 0
+    assert len([s for s in dynamic["skipped"] if s < 5]) >= 3
+    later = [s for s in dynamic["skipped"] if s > 10]
+    assert later
+    scales = dynamic["scales"]
+    assert scales[later[0] + 1] == scales[later[0]] / 2
+    assert max(scales[later[0] + 1 :]) > scales[later[0] + 1]  # recovered: it grew after the back-off
+    assert unscaled["skipped"] == []
+    assert unscaled["loss"] < 0.7 * math.log(8)  # it learns (the logged loss is unweighted; chance: ln 8)
+    printed = capsys.readouterr().out
+    advice = printed[printed.index("advice (what to change, and why):") :]
+    assert "[skips_at_start]" in advice.split("unscaled")[0]
+    assert "Gradients flush to zero below the scale's reach: at scale 1" in advice.split("unscaled")[1]
 
 
 def test_resnet_learns_with_fp32_batchnorm(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ BELOW_ADAPTERS = (
     "lightning_mpt.report",
     "lightning_mpt.report_events",
     "lightning_mpt.report_plots",
+    "lightning_mpt.report_advice",
     "lightning_mpt.cli",
 )
 
@@ -41,6 +42,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "report.py": ("lightning", *TRAINER, *FABRIC),
     "report_events.py": ("lightning", *TRAINER, *FABRIC),
     "report_plots.py": ("lightning", *TRAINER, *FABRIC),
+    "report_advice.py": ("lightning", *TRAINER, *FABRIC),
     "cli.py": ("lightning", *TRAINER, *FABRIC),
 }
 

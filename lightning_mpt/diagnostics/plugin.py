@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -80,9 +81,51 @@ def describe_precision(plugin: Any) -> dict[str, Any]:
         scaling = "none"
     else:
         scaling = "static" if getattr(scaler, "is_static", False) else "dynamic"
+    masters = getattr(plugin, "master_weights", None)
     return {
         "format": fmt.name if fmt is not None else None,
         "plugin": type(plugin).__name__,
         "precision": str(getattr(plugin, "precision", "")),
         "loss_scaling": scaling,
+        "scaler": describe_scaler(scaler),
+        "master_weights": masters if isinstance(masters, bool) else None,
     }
+
+
+def describe_scaler(scaler: Any) -> Optional[dict[str, Any]]:
+    """The configuration of a loss scaler at the start of a run, for the ``mpt/data/run`` record: the scale in force,
+    ``growth_interval``, ``growth_factor``, ``backoff_factor`` and, for ``DynamicLossScaler``, ``hysteresis``,
+    ``min_scale`` and ``max_scale`` (``None`` when unbounded: records are strict JSON). ``None`` without a scaler.
+
+    The report's advice reads it: whether the scale could grow within the run (``growth_interval``), and which scale
+    the run started at.
+
+    Args:
+        scaler: a ``DynamicLossScaler``, a ``torch.amp.GradScaler`` or ``None``.
+
+    Example:
+        ```python
+        from lightning_mpt import DynamicLossScaler
+
+        described = describe_scaler(DynamicLossScaler(init_scale=1024.0, growth_interval=100))
+        assert described["scale"] == 1024.0 and described["growth_interval"] == 100
+        assert describe_scaler(None) is None
+        ```
+    """
+    if isinstance(scaler, torch.amp.GradScaler):
+        if not scaler.is_enabled():
+            return None
+        return {
+            "scale": float(scaler.get_scale()),
+            "growth_interval": int(scaler.get_growth_interval()),
+            "growth_factor": float(scaler.get_growth_factor()),
+            "backoff_factor": float(scaler.get_backoff_factor()),
+        }
+    if scaler is None or not hasattr(scaler, "growth_interval"):
+        return None
+    fields = ("growth_interval", "growth_factor", "backoff_factor", "hysteresis", "min_scale", "max_scale")
+    described: dict[str, Any] = {"scale": float(scaler.get_scale())}
+    for name in fields:
+        value = getattr(scaler, name, None)
+        described[name] = value if isinstance(value, (int, float)) and math.isfinite(value) else None
+    return described

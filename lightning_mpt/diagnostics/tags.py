@@ -79,8 +79,10 @@ SUMMARY_RECORD = "mpt/data/overflow_summary"  # at the end of training (also aft
 RECORD_SCHEMA = 1
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     # format: "fp16" | "bf16" | None; precision: the plugin's class and precision name; loss_scaling: "dynamic",
-    # "static", "grad_scaler" or "none"; monitors: the callbacks' class names
-    RUN_RECORD: ("schema", "format", "plugin", "precision", "loss_scaling", "monitors"),
+    # "static", "grad_scaler" or "none"; scaler: the scaler's configuration at the start (scale, growth_interval, ...;
+    # null without one), so that the report can tell why the scale never grew; master_weights: true/false, null when
+    # the plugin has no such option; monitors: the callbacks' class names
+    RUN_RECORD: ("schema", "format", "plugin", "precision", "loss_scaling", "scaler", "master_weights", "monitors"),
     # params: every parameter whose gradient held inf/NaN; loss_finite: true/false, null when unknown
     SKIP_RECORD: ("schema", "step", "scale", "scale_after", "params", "loss_finite"),
     # error: the exception's class name; message: its text (names the parameters, the scale history, a hint)
