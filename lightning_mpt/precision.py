@@ -54,6 +54,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         accumulate_fp32: with gradient accumulation, sum the micro-batches' gradients in fp32 rather than in the half
             format (Megatron's ``main_grad``), for long accumulations where half-precision sums lose small
             contributions. Costs 2 bytes per parameter more during the backward. Needs torch >= 2.13.
+        skipped_steps_advance_schedulers: ``True`` (Lightning's behaviour): a step skipped for non-finite gradients
+            counts for the LR schedulers. ``False`` (Megatron-LM's and DeepSpeed's): a scheduler's ``step()`` does
+            nothing when every step of its optimizer since its last ``step()`` was skipped, so that warm-up and decay
+            follow the updates actually applied (docs/scaler.md).
 
     Example:
         ```python
@@ -73,8 +77,17 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         keep_fp32: Union[type[Module], tuple[type[Module], ...]] = DEFAULT_KEEP_FP32,
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
+        skipped_steps_advance_schedulers: bool = True,
     ) -> None:
-        self._init_plugin(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
+        self._init_plugin(
+            precision,
+            scaler,
+            master_weights,
+            keep_fp32,
+            max_consecutive_skips,
+            accumulate_fp32,
+            skipped_steps_advance_schedulers,
+        )
         self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._averaging: list[_averaging.Adapted] = []  # weight-averaging callbacks pointed at the masters
@@ -108,6 +121,8 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             if self.scaler is not None:
                 _check_optimizer(optimizer)
             self._engine.adopt(optimizer)
+        if not self.skipped_steps_advance_schedulers:  # Lightning's scheduler configs, or schedulers
+            self._gate_schedulers([getattr(config, "scheduler", config) for config in lr_schedulers])
         first = next(model.parameters(), None)
         if first is not None:
             self.device = first.device.type

@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, Masters, distributed
 from lightning_mpt.core.scaler import DynamicLossScaler
+from lightning_mpt.core.schedules import ScheduleGate
 from lightning_mpt.core.steps import HISTORY, NonFiniteGradientError, StepRecord, reconfigured, stop_message
 
 
@@ -88,11 +89,13 @@ class StepLog:
         self.steps = 0
         self.skipped_steps = 0
         self.consecutive: dict[int, int] = {}  # skipped steps in a row, per optimizer index
+        self.gate = ScheduleGate(enabled=False)  # the LR schedulers that skipped steps do not advance, if any
 
     def taken(self, optimizer: int, scale: float, loss_finite: bool) -> StepRecord:
         """The optimizer took a step decided clean."""
         record = self._record(optimizer, scale, loss_finite, skipped=False)
         self.consecutive[optimizer] = 0
+        self.gate.note(optimizer, skipped=False)
         if self.scaler is not None:
             self.scaler.update(False)
         return record
@@ -108,6 +111,7 @@ class StepLog:
         record._names, record._mask = list(names), nonfinite
         self.skipped_steps += 1
         self.consecutive[optimizer] = self.consecutive.get(optimizer, 0) + 1
+        self.gate.note(optimizer, skipped=True)
         scaler = self.scaler
         if scaler is not None:
             scaler.update(True)
@@ -129,6 +133,7 @@ class StepLog:
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": [self.consecutive.get(i, 0) for i in range(max(self.consecutive, default=-1) + 1)],
             "steps": self.steps,
+            "schedules": self.gate.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> Optional[str]:
@@ -151,6 +156,7 @@ class StepLog:
             consecutive = [consecutive]
         self.consecutive = {i: int(c) for i, c in enumerate(consecutive)}
         self.steps = int(state.get("steps", 0))
+        self.gate.load_state_dict(state.get("schedules", []))
         return warning
 
 
@@ -207,12 +213,17 @@ class MixedPrecisionEngine:
             self._optimizers[optimizer] = self.masters.adopt(optimizer)
         return list(self._optimizers).index(optimizer)
 
+    def index_of(self, optimizer: Optimizer) -> Optional[int]:
+        """The index of ``optimizer`` if it was adopted, else ``None``."""
+        return list(self._optimizers).index(optimizer) if optimizer in self._optimizers else None
+
     def restore(self) -> None:
         """End of a stage: drop optimizer hooks and anything half done, give the module its fp32 masters back."""
         for handles in self._optimizers.values():
             for h in handles:
                 h.remove()
         self._optimizers.clear()
+        self.log.gate.release()
         self.drop_pending()
         self._taken.clear()
         self.masters.restore()
