@@ -100,9 +100,12 @@ def test_a_resumed_run_never_measures_again(tmp_path: Path) -> None:
     trainer.save_checkpoint(path)
     assert "measuring" not in torch.load(path, weights_only=False)["MPTPrecision"]["scaler"]
     chosen = trainer.precision_plugin.loss_scale
+    # a model whose gradients would measure another scale: the resumed run keeps the one in the checkpoint
+    assert expected_scale(FACTORS[24]) != chosen
     resumed = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale="auto"))
-    quiet_trainer(max_steps=4, plugins=[resumed]).fit(Ranged(FACTORS[16]), data(), ckpt_path=str(path))
+    quiet_trainer(max_steps=4, plugins=[resumed]).fit(Ranged(FACTORS[24]), data(), ckpt_path=str(path))
     assert [r.scale for r in resumed.history] == [chosen, chosen]
+    assert resumed.loss_scale == chosen
     assert not resumed.scaler.measuring
 
 
@@ -117,7 +120,11 @@ def test_a_measuring_step_with_a_nan_loss_is_reported_and_measured_again() -> No
     with pytest.warns(UserWarning, match=r"measures the loss scale .* was skipped: at scale 1 the loss itself was"):
         quiet_trainer(max_steps=3, plugins=[plugin]).fit(NaNFirst(FACTORS[16]), data())
     assert [(r.scale, r.skipped) for r in plugin.history] == [(1.0, True), (1.0, False), (plugin.loss_scale, False)]
-    assert plugin.loss_scale > 1.0
+    # the skipped measuring step left no trace in the scaler: it is a fixed scaler at the chosen scale after 2 steps
+    fixed = DynamicLossScaler(init_scale=plugin.loss_scale)
+    fixed.update(False)
+    fixed.update(False)
+    assert plugin.scaler.state_dict() == fixed.state_dict()
 
 
 def test_gradients_that_overflow_at_scale_1_stop_the_run() -> None:
