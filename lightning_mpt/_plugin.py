@@ -22,6 +22,7 @@ from lightning_mpt.core.engine import MixedPrecisionEngine
 from lightning_mpt.core.masters import Masters, params_of
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
+from lightning_mpt.core.schedules import ScheduleGate
 from lightning_mpt.core.steps import StepRecord
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class MixedPrecisionPlugin:
     keep_fp32: tuple[type[Module], ...]
     max_consecutive_skips: int
     accumulate_fp32: bool
+    skipped_steps_advance_schedulers: bool
     #: how user code reaches the plugin, for messages
     _access: str = "the precision plugin"
 
@@ -66,8 +68,15 @@ class MixedPrecisionPlugin:
         keep_fp32: Any,
         max_consecutive_skips: Any,
         accumulate_fp32: Any,
+        skipped_steps_advance_schedulers: Any = True,
     ) -> None:
         """The plugins' ``__init__``: check the arguments (a clear error for each), keep them, build the engine."""
+        if not isinstance(skipped_steps_advance_schedulers, bool):
+            raise TypeError(
+                f"MPTPrecision(skipped_steps_advance_schedulers={skipped_steps_advance_schedulers!r}): expected a bool "
+                "(True: a skipped step counts for the LR schedulers, as in Lightning; False: it does not, as in "
+                "Megatron-LM and DeepSpeed)."
+            )
         dtype, checked_scaler, kept = check_arguments(
             precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
         )
@@ -77,12 +86,14 @@ class MixedPrecisionPlugin:
         self.keep_fp32 = kept
         self.max_consecutive_skips = max_consecutive_skips
         self.accumulate_fp32 = accumulate_fp32
+        self.skipped_steps_advance_schedulers = skipped_steps_advance_schedulers
         self._dtype = dtype
         self._reported_edits = set()
         masters = CopyMasters(dtype, kept, enabled=master_weights)
         self._engine = MixedPrecisionEngine(
             masters, checked_scaler, max_consecutive_skips, accumulate_fp32, on_edits=self._report_edits
         )
+        self._engine.log.gate = ScheduleGate(enabled=not skipped_steps_advance_schedulers)
 
     def _sharded_masters(self, loop: Loop) -> Masters:
         """FSDP2's own fp32 shards as the masters, or a clear error where they cannot be."""
@@ -120,6 +131,37 @@ class MixedPrecisionPlugin:
         """Whether the latest optimizer step was skipped."""
         history = self._engine.log.history
         return bool(history) and history[-1].skipped
+
+    def last_step_skipped_for(self, optimizer: Optimizer) -> bool:
+        """Whether the latest step of ``optimizer`` was skipped (``False`` before its first step): the per-optimizer
+        view of :attr:`last_step_skipped`, for several optimizers.
+
+        Args:
+            optimizer: a torch optimizer the plugin steps, or Lightning's wrapper of one.
+
+        Example:
+            ```python
+            from lightning_mpt.fabric import MPTPrecision
+
+            plugin = MPTPrecision("fp16")
+            optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+            assert not plugin.last_step_skipped_for(optimizer)  # it has not stepped yet
+            ```
+        """
+        index = self._engine.index_of(unwrap(optimizer))
+        return index is not None and self._engine.log.consecutive.get(index, 0) > 0
+
+    def _gate_schedulers(self, schedulers: list[Any]) -> None:
+        """Apply ``skipped_steps_advance_schedulers=False`` to ``schedulers``, each of an optimizer it steps."""
+        gate = self._engine.log.gate
+        for scheduler in schedulers:
+            optimizer = unwrap(getattr(scheduler, "optimizer", None))
+            if not isinstance(optimizer, Optimizer):
+                raise TypeError(
+                    f"MPTPrecision: {type(scheduler).__name__} has no torch optimizer in `.optimizer`; LR schedulers "
+                    "that skipped steps do not advance are those of torch.optim.lr_scheduler (or subclasses)."
+                )
+            gate.attach(scheduler, self._engine.adopt(optimizer))
 
     @property
     def history(self) -> deque[StepRecord]:

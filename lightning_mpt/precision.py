@@ -60,6 +60,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             gradients instead of all (16 bytes per parameter with AdamW instead of 18): ``True`` for chunks of
             ``2**24`` elements, or a number of elements. Exact (the masters of a whole step) for torch's built-in
             optimizers; others take the whole step. Hooks see the half gradients, still scaled (docs/memory.md).
+        skipped_steps_advance_schedulers: ``True`` (Lightning's behaviour): a step skipped for non-finite gradients
+            counts for the LR schedulers. ``False`` (Megatron-LM's and DeepSpeed's): a scheduler's ``step()`` does
+            nothing when every step of its optimizer since its last ``step()`` was skipped, so that warm-up and decay
+            follow the updates actually applied (docs/scaler.md).
 
     Example:
         ```python
@@ -80,8 +84,17 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
         chunked_step: Union[bool, int] = False,
+        skipped_steps_advance_schedulers: bool = True,
     ) -> None:
-        self._init_plugin(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
+        self._init_plugin(
+            precision,
+            scaler,
+            master_weights,
+            keep_fp32,
+            max_consecutive_skips,
+            accumulate_fp32,
+            skipped_steps_advance_schedulers,
+        )
         chunk = check_chunked_step(chunked_step, master_weights)
         self.chunked_step = chunked_step
         if chunk is not None:
@@ -125,6 +138,8 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             if self.scaler is not None:
                 _check_optimizer(optimizer)
             self._engine.adopt(optimizer)
+        if not self.skipped_steps_advance_schedulers:  # Lightning's scheduler configs, or schedulers
+            self._gate_schedulers([getattr(config, "scheduler", config) for config in lr_schedulers])
         first = next(model.parameters(), None)
         if first is not None:
             self.device = first.device.type

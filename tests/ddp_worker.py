@@ -1,7 +1,7 @@
 """A 2-process CPU (gloo) training run for tests/test_ddp.py; each rank writes what it saw to ``OUT/rank<r>.json``.
 
 usage: python ddp_worker.py STRATEGY OUT PRECISION [--inject-step K --inject-rank R] [--model nonorm|mlp]
-                            [--accumulate N [--accumulate-fp32]]
+                            [--accumulate N [--accumulate-fp32]] [--auto-scale]
 
 PRECISION is ``mpt-fp16``, ``mpt-bf16`` or ``lightning-16-mixed`` (Lightning's MixedPrecision with a GradScaler).
 Per training batch a rank records the loss scale, whether the step was skipped, a SHA-1 of its fp32 weights (the
@@ -23,8 +23,34 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from models import InjectInf, NoNormMLP, TinyMLP, quiet_trainer, regression_data
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_mpt import MPTPrecision
+import lightning_mpt.core.engine
+from lightning_mpt import DynamicLossScaler, MPTPrecision
 from lightning_mpt.callbacks import UnderflowMonitor
+
+
+class CountingDist:
+    """``torch.distributed`` as the engine sees it, counting its ``all_reduce`` calls (the engine's collectives)."""
+
+    def __init__(self) -> None:
+        self.all_reduces = 0
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+    def all_reduce(self, *args, **kwargs):
+        self.all_reduces += 1
+        return torch.distributed.all_reduce(*args, **kwargs)
+
+
+class UnequalFirstGradients(L.Callback):
+    """After DDP's all-reduce of the first step, rank 1's gradients are 16 times rank 0's: the ranks measure
+    different ranges, and only the plugin's own all-reduce makes them choose one scale."""
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_step == 0 and trainer.global_rank == 1:
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(16)
 
 
 class Record(L.Callback):
@@ -62,6 +88,8 @@ class Record(L.Callback):
         self.rows.append({
             "step": trainer.global_step,
             "scale": scale,
+            "engine_all_reduces": getattr(lightning_mpt.core.engine.dist, "all_reduces", None),
+            "loss_scale": plugin.loss_scale if isinstance(plugin, MPTPrecision) else None,
             "skipped": skipped,
             "weights_sha1": hashlib.sha1(flat.numpy().tobytes(), usedforsecurity=False).hexdigest(),
             "bytes": self.bytes[0],
@@ -88,6 +116,7 @@ def main() -> None:
     p.add_argument("--reference", action="store_true", help="UnderflowMonitor's fp32 reference at every step")
     p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--accumulate-fp32", action="store_true", help="MPTPrecision(accumulate_fp32=True)")
+    p.add_argument("--auto-scale", action="store_true", help="DynamicLossScaler(init_scale='auto'), unequal gradients")
     args = p.parse_args()
 
     torch.manual_seed(os.getpid() if args.strategy == "ddp" else 0)  # ranks start from different weights on purpose
@@ -99,6 +128,9 @@ def main() -> None:
     )
     if args.precision == "mpt-fp16":
         plugin = MPTPrecision("fp16", scaler=1024.0 if args.inject_step < 0 else None)
+    if args.auto_scale:
+        plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale="auto"))
+        lightning_mpt.core.engine.dist = CountingDist()  # type: ignore[assignment]
     trainer = quiet_trainer(
         strategy=args.strategy,
         devices=2,
@@ -108,6 +140,7 @@ def main() -> None:
         callbacks=[
             *([UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1)] if args.reference else []),
             Record(args.out),
+            *([UnequalFirstGradients()] if args.auto_scale else []),
             InjectInf("net.0.weight", steps={args.inject_step}, rank=args.inject_rank),
         ],
     )

@@ -82,3 +82,14 @@ def test_fp32_accumulation_under_ddp_reduces_half_gradients_once_per_step(tmp_pa
     assert hashes[2::3] == list(dict.fromkeys(hashes[2::3]))
     params = 16 * 32 + 32 + 32 * 4 + 4
     assert [r["bytes"] for r in rank0] == [0, 0, 2 * params] * 6  # half-precision all-reduce, only at the step
+
+
+def test_auto_scale_ranks_choose_one_scale_in_the_one_collective(tmp_path):
+    # rank 1's first gradients are 16 times rank 0's (the worker), so each rank alone would choose another scale
+    rank0, rank1 = run_workers(tmp_path, "ddp", "mpt-fp16", "--auto-scale", "--steps", "3")
+    assert [r["scale"] for r in rank0] == [r["scale"] for r in rank1]
+    assert rank0[0]["scale"] == 1.0  # measured at scale 1
+    assert rank0[0]["loss_scale"] == rank1[0]["loss_scale"] > 1.0  # and one scale chosen
+    assert not any(r["skipped"] for r in rank0 + rank1)
+    # one all-reduce of the engine per step, the measuring step included (amax rides with the skip flags)
+    assert [r["engine_all_reduces"] for r in rank0] == [1, 2, 3]

@@ -36,6 +36,12 @@ def check_arguments(
         raise TypeError(
             f"MPTPrecision(scaler={scaler!r}): expected None, a DynamicLossScaler or a number (a static scale)."
         )
+    if precision == "bf16" and scaler is not None and scaler.measuring:
+        raise ValueError(
+            "MPTPrecision('bf16', scaler=DynamicLossScaler(init_scale='auto')): the automatic scale is measured "
+            "against fp16's range; bf16 has fp32's range and needs no loss scale. Use MPTPrecision('bf16') "
+            "(no scaler), or a number for init_scale."
+        )
     if not isinstance(master_weights, bool):
         raise TypeError(f"MPTPrecision(master_weights={master_weights!r}): expected a bool (True or False).")
     if isinstance(keep_fp32, type):

@@ -37,6 +37,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +51,17 @@ from torch.optim import Optimizer
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, Masters, distributed
+from lightning_mpt.core.numerics import max_abs
 from lightning_mpt.core.scaler import DynamicLossScaler
-from lightning_mpt.core.steps import HISTORY, NonFiniteGradientError, StepRecord, reconfigured, stop_message
+from lightning_mpt.core.schedules import ScheduleGate
+from lightning_mpt.core.steps import (
+    HISTORY,
+    NonFiniteGradientError,
+    StepRecord,
+    measuring_skipped,
+    reconfigured,
+    stop_message,
+)
 
 
 @dataclass
@@ -88,11 +99,13 @@ class StepLog:
         self.steps = 0
         self.skipped_steps = 0
         self.consecutive: dict[int, int] = {}  # skipped steps in a row, per optimizer index
+        self.gate = ScheduleGate(enabled=False)  # the LR schedulers that skipped steps do not advance, if any
 
     def taken(self, optimizer: int, scale: float, loss_finite: bool) -> StepRecord:
         """The optimizer took a step decided clean."""
         record = self._record(optimizer, scale, loss_finite, skipped=False)
         self.consecutive[optimizer] = 0
+        self.gate.note(optimizer, skipped=False)
         if self.scaler is not None:
             self.scaler.update(False)
         return record
@@ -108,10 +121,18 @@ class StepLog:
         record._names, record._mask = list(names), nonfinite
         self.skipped_steps += 1
         self.consecutive[optimizer] = self.consecutive.get(optimizer, 0) + 1
+        self.gate.note(optimizer, skipped=True)
         scaler = self.scaler
+        measuring = scaler is not None and scaler.measuring
         if scaler is not None:
             scaler.update(True)
-        at_floor = scaler is not None and not scaler.is_static and scale <= scaler.min_scale
+        # a measuring step (init_scale="auto") with a non-finite loss tells nothing of the gradients' range: measure
+        # again at the next step; non-finite gradients of a finite loss at the floor are an overflow no scale avoids
+        at_floor = (
+            scaler is not None and not scaler.is_static and scale <= scaler.min_scale and (loss_finite or not measuring)
+        )
+        if measuring and not at_floor:
+            warnings.warn(measuring_skipped(scale, loss_finite, scaler.scale if scaler else scale), stacklevel=2)
         if at_floor or self.consecutive[optimizer] >= self.max_consecutive_skips:
             streak = self.consecutive[optimizer]
             raise NonFiniteGradientError(stop_message(record, self.history, streak, at_floor, len(self.consecutive)))
@@ -129,6 +150,7 @@ class StepLog:
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": [self.consecutive.get(i, 0) for i in range(max(self.consecutive, default=-1) + 1)],
             "steps": self.steps,
+            "schedules": self.gate.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> Optional[str]:
@@ -151,6 +173,7 @@ class StepLog:
             consecutive = [consecutive]
         self.consecutive = {i: int(c) for i, c in enumerate(consecutive)}
         self.steps = int(state.get("steps", 0))
+        self.gate.load_state_dict(state.get("schedules", []))
         return warning
 
 
@@ -207,12 +230,17 @@ class MixedPrecisionEngine:
             self._optimizers[optimizer] = self.masters.adopt(optimizer)
         return list(self._optimizers).index(optimizer)
 
+    def index_of(self, optimizer: Optimizer) -> Optional[int]:
+        """The index of ``optimizer`` if it was adopted, else ``None``."""
+        return list(self._optimizers).index(optimizer) if optimizer in self._optimizers else None
+
     def restore(self) -> None:
         """End of a stage: drop optimizer hooks and anything half done, give the module its fp32 masters back."""
         for handles in self._optimizers.values():
             for h in handles:
                 h.remove()
         self._optimizers.clear()
+        self.log.gate.release()
         self.drop_pending()
         self._taken.clear()
         self.masters.restore()
@@ -262,7 +290,11 @@ class MixedPrecisionEngine:
         # stepping again with no backward since: the gradients are the true ones the last step left, as under "32-true"
         taken = self._taken.pop(optimizer, None)
         grads = self.masters.prepare(optimizer, self.backward_scale if taken is None else taken.left_scale)
-        skipped, loss_finite, edited = self._sync(grads.found_inf, grads.edited)
+        scaler = self.log.scaler
+        measure = scaler is not None and scaler.measuring and taken is None  # init_scale="auto": the gradients' range
+        fp32 = grads.fp32_grads() if measure else []
+        amax = max_abs(fp32).max() if fp32 else None
+        skipped, loss_finite, edited = self._sync(grads.found_inf, grads.edited, amax)
         if any(edited):
             names = self.masters.absorb_edits(grads, edited)
             if names and self.on_edits is not None:
@@ -273,9 +305,15 @@ class MixedPrecisionEngine:
         self._pending[optimizer] = pending
         return pending
 
-    def _sync(self, found_inf: Optional[Tensor], edited: Optional[Tensor]) -> tuple[bool, bool, list[float]]:
+    def _sync(
+        self, found_inf: Optional[Tensor], edited: Optional[Tensor], amax: Optional[Tensor] = None
+    ) -> tuple[bool, bool, list[float]]:
         """``(skip, loss_finite, edit flags)`` in one host sync. ``skip`` and ``loss_finite`` are all-reduced across
-        processes, so every rank takes the same decision; the edit flags are this process's own."""
+        processes, so every rank takes the same decision; the edit flags are this process's own.
+
+        ``amax``, the largest unscaled gradient magnitude of a scaler still measuring (``init_scale="auto"``), rides in
+        the same all-reduce (max over processes: FSDP2's shards see parts of the gradients), so every rank chooses the
+        same scale; a clean step ends the measurement with it."""
         loss_finite, self._loss_finite = self._loss_finite, None
         present = [t for t in (found_inf, loss_finite, edited) if t is not None]
         if not present:
@@ -285,13 +323,20 @@ class MixedPrecisionEngine:
         flags = torch.stack([
             zero if found_inf is None else (found_inf.to(device) > 0).float(),
             zero if loss_finite is None else (~loss_finite).float().to(device),
+            *(() if amax is None else (amax.to(device=device, dtype=torch.float32),)),
         ])
         if distributed():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if edited is not None:
             flags = torch.cat([flags, edited.to(device=device, dtype=flags.dtype).reshape(-1)])
         values = flags.tolist()  # the one host sync
-        return values[0] > 0, values[1] == 0, values[2:]
+        skip, rest = values[0] > 0, values[2:]
+        if amax is not None:
+            measured, rest = rest[0], rest[1:]
+            scaler = self.log.scaler
+            if scaler is not None and not skip and math.isfinite(measured) and measured > 0:
+                scaler.choose(measured, torch.finfo(self.masters.dtype).max)
+        return skip, values[1] == 0, rest
 
     def step(
         self, optimizer: Optimizer, pending: PendingStep, closure: Optional[Callable[[], Any]] = None, **kwargs: Any

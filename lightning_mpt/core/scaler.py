@@ -15,6 +15,16 @@ on every clean step, so that only consecutive overflows count. Every overflowing
 The scale is a float32 value, as torch and Megatron-LM hold it: each change is computed in double precision and
 rounded to float32, as ``torch._amp_update_scale_`` does. It never leaves ``[min_scale, max_scale]``, also after
 :meth:`DynamicLossScaler.load_state_dict`. A scaler with ``min_scale == max_scale`` is a static scale.
+
+``init_scale="auto"`` measures the first scale instead of guessing it. The first step's backward runs at the
+*measuring scale*, 1.0 (brought into ``[min_scale, max_scale]``), where gradients of common models cannot overflow
+fp16; the engine reads the largest unscaled gradient magnitude ``amax`` in the step's one host sync (all-reduced
+across processes) and :meth:`DynamicLossScaler.choose` sets the largest power of two that keeps ``amax`` below the
+format's largest finite value, divided by :data:`AUTO_MARGIN`. That first step is taken, not skipped, with the
+gradients of scale 1.0 (small ones may flush in fp16 for that one step: docs/scaler.md measures it). From then on the
+scaler is the one ``DynamicLossScaler(init_scale=<chosen>)`` would be after one clean step. A measuring step whose
+gradients are non-finite backs the measuring scale off and measures again at the next step; so does one with no
+nonzero gradient.
 """
 
 from __future__ import annotations
@@ -23,9 +33,13 @@ import math
 import numbers
 import struct
 import warnings
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from torch import Tensor
+
+#: ``init_scale="auto"`` keeps this factor below the largest safe scale it measured: later batches' gradients, and
+#: activation gradients inside the backward, may exceed the first batch's largest parameter gradient
+AUTO_MARGIN = 8.0
 
 _STATE_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")
 _CONFIG_KEYS = (
@@ -57,7 +71,8 @@ class DynamicLossScaler:
     """Loss scale that grows after a run of clean steps and backs off on overflow.
 
     Args:
-        init_scale: the scale of the first step (``2**16`` as :class:`torch.amp.GradScaler`), rounded to float32.
+        init_scale: the scale of the first step (``2**16`` as :class:`torch.amp.GradScaler`), rounded to float32;
+            or ``"auto"``: measure it at the first step (see the module's docstring; fp16 only).
         growth_factor: factor applied after ``growth_interval`` clean steps; must be ``> 1``.
         backoff_factor: factor applied on an overflow that exhausts the hysteresis; must be in ``(0, 1)``.
         growth_interval: number of consecutive clean steps before the scale grows; ``>= 1``.
@@ -80,7 +95,7 @@ class DynamicLossScaler:
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
+        init_scale: Union[float, Literal["auto"]] = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
@@ -99,7 +114,17 @@ class DynamicLossScaler:
             min_scale=min_scale,
             max_scale=max_scale,
         )
-        _check(_is_real(init_scale), f"init_scale must be a finite number > 0, got {init_scale!r}")
+        self._measuring = init_scale == "auto"
+        if self._measuring:
+            _check(
+                config["min_scale"] < config["max_scale"],
+                f"init_scale='auto' needs room to choose: min_scale ({min_scale!r}) < max_scale ({max_scale!r})",
+            )
+            init_scale = min(max(1.0, config["min_scale"]), config["max_scale"])  # the measuring scale
+        _check(
+            _is_real(init_scale),
+            f"init_scale must be a finite number > 0 or 'auto', got {init_scale!r}",
+        )
         scale = _f32(float(init_scale))
         _check(
             math.isfinite(scale) and scale > 0,
@@ -146,6 +171,38 @@ class DynamicLossScaler:
         return self.min_scale == self.max_scale
 
     @property
+    def measuring(self) -> bool:
+        """Whether the scale is still to be measured (``init_scale="auto"`` before its first finite, nonzero
+        gradients)."""
+        return self._measuring
+
+    def choose(self, amax: float, max_finite: float) -> float:
+        """End the measurement: the largest power of two ``s`` with ``amax * s <= max_finite``, divided by
+        :data:`AUTO_MARGIN` and brought into ``[min_scale, max_scale]``, becomes the scale. Returns it.
+
+        Args:
+            amax: the largest magnitude of the unscaled gradients (finite, > 0).
+            max_finite: the half format's largest finite value (65504 for fp16).
+
+        Example:
+            ```python
+            scaler = DynamicLossScaler(init_scale="auto")
+            assert scaler.measuring and scaler.scale == 1.0
+            assert scaler.choose(amax=0.01, max_finite=65504.0) == 2.0**22 / AUTO_MARGIN
+            scaler.update(found_inf=False)  # the measuring step was clean: a fixed scaler's first step
+            assert not scaler.measuring and scaler.growth_tracker == 1
+            ```
+        """
+        _check(
+            _is_real(amax) and math.isfinite(amax) and amax > 0,
+            f"DynamicLossScaler.choose: amax must be a finite number > 0, got {amax!r}",
+        )
+        safe = 2.0 ** math.floor(math.log2(max_finite / amax)) / AUTO_MARGIN
+        self._scale = min(max(_f32(safe), self.min_scale), self.max_scale)
+        self._measuring = False
+        return self._scale
+
+    @property
     def growth_tracker(self) -> int:
         """Consecutive clean steps since the last overflow or growth."""
         return self._growth_tracker
@@ -168,6 +225,10 @@ class DynamicLossScaler:
         """
         if isinstance(found_inf, Tensor):
             found_inf = bool(found_inf.item())
+        if self._measuring:  # nothing measured: back the measuring scale off on an overflow, count nothing
+            if found_inf:
+                self._scale = max(_f32(self._scale * self.backoff_factor), self.min_scale)
+            return
         if found_inf:
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1
@@ -196,6 +257,8 @@ class DynamicLossScaler:
         """
         state = {k: getattr(self, "_" + k) for k in _STATE_KEYS}
         state.update({k: getattr(self, k) for k in _CONFIG_KEYS})
+        if self._measuring:  # a run saved before its scale was measured measures on resume
+            state["measuring"] = True
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -260,6 +323,7 @@ class DynamicLossScaler:
         self._scale = scale
         self._growth_tracker = int(growth_tracker)
         self._hysteresis_tracker = int(hysteresis_tracker)
+        self._measuring = state_dict.get("measuring") is True  # a measured scale is never measured again
 
     def restore_state(self, state_dict: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """Restore the scale and the trackers of ``state_dict`` and keep this scaler's configuration (a resumed run

@@ -82,3 +82,12 @@ def reconfigured(changed: dict[str, tuple[Any, Any]], scale: float) -> str:
         f"force; the scale ({scale:g}) and its trackers are restored from the checkpoint. To go on with the "
         f"checkpoint's configuration, pass scaler=DynamicLossScaler({saved}, ...) with your other settings."
     )
+
+
+def measuring_skipped(scale: float, loss_finite: bool, next_scale: float) -> str:
+    """The warning for a skipped step of a scaler still measuring its scale (``init_scale="auto"``)."""
+    cause = "the loss itself was non-finite" if not loss_finite else "the gradients overflowed"
+    return (
+        f"MPTPrecision: the step that measures the loss scale (init_scale='auto') was skipped: at scale {scale:g} "
+        f"{cause}. The next step measures again, at scale {next_scale:g}."
+    )

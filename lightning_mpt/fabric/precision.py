@@ -48,6 +48,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         accumulate_fp32: with gradient accumulation, sum the micro-batches' gradients in fp32 rather than in the half
             format (torch >= 2.13; see the Trainer plugin). Under DDP pass the model to each backward,
             ``fabric.backward(loss, model=model)``, so that the plugin sees which backward synchronises.
+        skipped_steps_advance_schedulers: ``True`` (Lightning's behaviour): a skipped step counts for the LR
+            schedulers. ``False`` (Megatron-LM's and DeepSpeed's): the ``step()`` of a scheduler handed to
+            :meth:`setup_schedulers` does nothing when every step of its optimizer since its last ``step()`` was
+            skipped.
         sharded: the model is sharded with FSDP2 after ``fabric.setup_module`` (Fabric's ``ModelParallelStrategy``,
             whose ``parallelize_fn`` calls ``fully_shard(..., mp_policy=plugin.mp_policy)``): set-up leaves it fp32,
             so that FSDP2's fp32 shards are the masters, with no copy. Fabric converts a model before the strategy
@@ -76,9 +80,18 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         keep_fp32: Union[type[Module], tuple[type[Module], ...]] = DEFAULT_KEEP_FP32,
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
+        skipped_steps_advance_schedulers: bool = True,
         sharded: bool = False,
     ) -> None:
-        self._init_plugin(precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32)
+        self._init_plugin(
+            precision,
+            scaler,
+            master_weights,
+            keep_fp32,
+            max_consecutive_skips,
+            accumulate_fp32,
+            skipped_steps_advance_schedulers,
+        )
         _check_sharded(sharded, master_weights)
         self.sharded = sharded
         self._module: Optional[Module] = None  # the converted module
@@ -150,6 +163,37 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         """
         for optimizer in optimizers:
             self._checked(optimizer)
+
+    def setup_schedulers(self, *schedulers: Any) -> None:
+        """Hand the plugin the LR schedulers, which Fabric does not: with ``skipped_steps_advance_schedulers=False`` a
+        scheduler's ``step()`` then does nothing when every step of its optimizer since its last ``step()`` was
+        skipped (with ``True`` nothing changes). Call it after ``fabric.setup``; it adopts their optimizers.
+
+        Args:
+            schedulers: torch LR schedulers of optimizers this plugin steps (made with the raw or the set-up ones).
+
+        Example:
+            ```python
+            import lightning as L
+            from torch import nn
+            from lightning_mpt.fabric import MPTPrecision
+
+            mpt = MPTPrecision("fp16", skipped_steps_advance_schedulers=False)
+            fabric = L.Fabric(accelerator="cpu", plugins=[mpt])
+            model = nn.Linear(4, 4)
+            model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+            mpt.setup_schedulers(scheduler)  # scheduler.step() after a skipped optimizer.step() does nothing
+            mpt.restore()
+            ```
+        """
+        if self.skipped_steps_advance_schedulers:
+            return
+        for scheduler in schedulers:
+            optimizer = getattr(scheduler, "optimizer", None)
+            if isinstance(unwrap(optimizer), Optimizer):
+                self._checked(optimizer)  # adopted now, so that its index is known
+        self._gate_schedulers(list(schedulers))
 
     def restore(self) -> None:
         """End mixed precision for the module: it gets fp32 parameters equal to the masters (edits of its half weights

@@ -140,6 +140,8 @@ class Gradients:
 class Masters(Protocol):
     """What the engine asks of the fp32 masters of a half-precision model (see the module's docstring)."""
 
+    dtype: torch.dtype  # the half format of the model's weights
+
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
         """Set the module up: cast it to the half format, or take FSDP2's shards as the masters."""
 
