@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from lightning_mpt import DynamicLossScaler, NonFiniteGradientError
-from lightning_mpt.core.engine import MixedPrecisionEngine, StepLog
+from lightning_mpt.core.engine import MixedPrecisionEngine
 from lightning_mpt.core.masters.copies import CopyMasters
+from lightning_mpt.core.steps import StepLog
 
 # ------------------------------------------------------------------------------------------ the decision and StepLog
 

@@ -38,8 +38,6 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -53,15 +51,7 @@ from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, Masters, distributed
 from lightning_mpt.core.numerics import max_abs
 from lightning_mpt.core.scaler import DynamicLossScaler
-from lightning_mpt.core.schedules import ScheduleGate
-from lightning_mpt.core.steps import (
-    HISTORY,
-    NonFiniteGradientError,
-    StepRecord,
-    measuring_skipped,
-    reconfigured,
-    stop_message,
-)
+from lightning_mpt.core.steps import StepLog
 
 
 @dataclass
@@ -74,107 +64,6 @@ class PendingStep:
     loss_finite: bool
     scale: float  # the loss scale the gradients were computed with
     culprits: Optional[Tensor] = None  # on a skip: per-parameter non-finite flags, taken before any clipping
-
-
-class StepLog:
-    """The history, the counters and the guard of a run; told each step's outcome once, it updates the scaler.
-
-    Args:
-        scaler: the loss scaler, ``None`` for no scaling.
-        max_consecutive_skips: stop after this many skipped steps in a row of one optimizer.
-
-    Example:
-        ```python
-        log = StepLog(DynamicLossScaler(init_scale=8.0), max_consecutive_skips=2)
-        log.skipped(optimizer=0, scale=8.0, loss_finite=True)   # the scale backs off to 4
-        log.taken(optimizer=0, scale=4.0, loss_finite=True)
-        assert [r.skipped for r in log.history] == [True, False] and log.scaler.scale == 4.0
-        ```
-    """
-
-    def __init__(self, scaler: Optional[DynamicLossScaler], max_consecutive_skips: int) -> None:
-        self.scaler = scaler
-        self.max_consecutive_skips = max_consecutive_skips
-        self.history: deque[StepRecord] = deque(maxlen=HISTORY)
-        self.steps = 0
-        self.skipped_steps = 0
-        self.consecutive: dict[int, int] = {}  # skipped steps in a row, per optimizer index
-        self.gate = ScheduleGate(enabled=False)  # the LR schedulers that skipped steps do not advance, if any
-
-    def taken(self, optimizer: int, scale: float, loss_finite: bool) -> StepRecord:
-        """The optimizer took a step decided clean."""
-        record = self._record(optimizer, scale, loss_finite, skipped=False)
-        self.consecutive[optimizer] = 0
-        self.gate.note(optimizer, skipped=False)
-        if self.scaler is not None:
-            self.scaler.update(False)
-        return record
-
-    def skipped(
-        self, optimizer: int, scale: float, loss_finite: bool, names: Any = (), nonfinite: Optional[Tensor] = None
-    ) -> StepRecord:
-        """A step skipped for non-finite gradients: the scale backs off. Raises
-        :class:`~lightning_mpt.core.steps.NonFiniteGradientError` when the run cannot recover: too many skips in a row
-        of this optimizer, or an overflow at the minimum scale. ``nonfinite`` (on the device, read only when asked)
-        flags which of ``names``, the step's parameters, had non-finite gradients."""
-        record = self._record(optimizer, scale, loss_finite, skipped=True)
-        record._names, record._mask = list(names), nonfinite
-        self.skipped_steps += 1
-        self.consecutive[optimizer] = self.consecutive.get(optimizer, 0) + 1
-        self.gate.note(optimizer, skipped=True)
-        scaler = self.scaler
-        measuring = scaler is not None and scaler.measuring
-        if scaler is not None:
-            scaler.update(True)
-        # a measuring step (init_scale="auto") with a non-finite loss tells nothing of the gradients' range: measure
-        # again at the next step; non-finite gradients of a finite loss at the floor are an overflow no scale avoids
-        at_floor = (
-            scaler is not None and not scaler.is_static and scale <= scaler.min_scale and (loss_finite or not measuring)
-        )
-        if measuring and not at_floor:
-            warnings.warn(measuring_skipped(scale, loss_finite, scaler.scale if scaler else scale), stacklevel=2)
-        if at_floor or self.consecutive[optimizer] >= self.max_consecutive_skips:
-            streak = self.consecutive[optimizer]
-            raise NonFiniteGradientError(stop_message(record, self.history, streak, at_floor, len(self.consecutive)))
-        return record
-
-    def _record(self, optimizer: int, scale: float, loss_finite: bool, skipped: bool) -> StepRecord:
-        record = StepRecord(self.steps, scale, skipped, loss_finite, optimizer)
-        self.steps += 1
-        self.history.append(record)
-        return record
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "skipped_steps": self.skipped_steps,
-            "consecutive_skips": [self.consecutive.get(i, 0) for i in range(max(self.consecutive, default=-1) + 1)],
-            "steps": self.steps,
-            "schedules": self.gate.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> Optional[str]:
-        """Restore :meth:`state_dict`; returns a warning to show, if any: the scaler state could not be restored, or
-        the scaler is configured otherwise than the saved one (its configuration stays in force, the scale and its
-        trackers are restored: :meth:`~lightning_mpt.core.scaler.DynamicLossScaler.restore_state`)."""
-        warning = None
-        saved = state.get("scaler")
-        if self.scaler is not None and saved is not None:
-            changed = self.scaler.restore_state(saved)
-            warning = reconfigured(changed, self.scaler.scale) if changed else None
-        elif (self.scaler is None) != (saved is None):
-            warning = (
-                f"the checkpoint was saved {'with' if saved else 'without'} a loss scaler and this plugin has "
-                f"{'none' if self.scaler is None else 'one'}; the scaler state is not restored."
-            )
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        consecutive = state.get("consecutive_skips", 0)
-        if isinstance(consecutive, int):  # one counter for all optimizers, as the first release saved it
-            consecutive = [consecutive]
-        self.consecutive = {i: int(c) for i, c in enumerate(consecutive)}
-        self.steps = int(state.get("steps", 0))
-        self.gate.load_state_dict(state.get("schedules", []))
-        return warning
 
 
 class _SkippedStep(Exception):
