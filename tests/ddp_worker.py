@@ -1,7 +1,7 @@
 """A 2-process CPU (gloo) training run for tests/test_ddp.py; each rank writes what it saw to ``OUT/rank<r>.json``.
 
 usage: python ddp_worker.py STRATEGY OUT PRECISION [--inject-step K --inject-rank R] [--model nonorm|mlp]
-                            [--accumulate N [--accumulate-fp32]] [--auto-scale]
+                            [--accumulate N [--accumulate-fp32]] [--chunked] [--auto-scale]
 
 PRECISION is ``mpt-fp16``, ``mpt-bf16`` or ``lightning-16-mixed`` (Lightning's MixedPrecision with a GradScaler).
 Per training batch a rank records the loss scale, whether the step was skipped, a SHA-1 of its fp32 weights (the
@@ -116,18 +116,21 @@ def main() -> None:
     p.add_argument("--reference", action="store_true", help="UnderflowMonitor's fp32 reference at every step")
     p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--accumulate-fp32", action="store_true", help="MPTPrecision(accumulate_fp32=True)")
+    p.add_argument("--chunked", action="store_true", help="MPTPrecision(chunked_step=64): the step in chunks")
     p.add_argument("--auto-scale", action="store_true", help="DynamicLossScaler(init_scale='auto'), unequal gradients")
     args = p.parse_args()
 
     torch.manual_seed(os.getpid() if args.strategy == "ddp" else 0)  # ranks start from different weights on purpose
-    extra = {"accumulate_fp32": True} if args.accumulate_fp32 else {}
+    extra: dict = {"accumulate_fp32": True} if args.accumulate_fp32 else {}
+    if args.chunked:
+        extra["chunked_step"] = 64
     plugin = (
         MPTPrecision(args.precision[4:], **extra)
         if args.precision.startswith("mpt")
         else MixedPrecision("16-mixed", "cpu")
     )
     if args.precision == "mpt-fp16":
-        plugin = MPTPrecision("fp16", scaler=1024.0 if args.inject_step < 0 else None)
+        plugin = MPTPrecision("fp16", scaler=1024.0 if args.inject_step < 0 else None, **extra)
     if args.auto_scale:
         plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale="auto"))
         lightning_mpt.core.engine.dist = CountingDist()  # type: ignore[assignment]

@@ -32,9 +32,9 @@ def run_workers(tmp_path: Path, strategy: str, precision: str, *extra: str) -> l
     return [json.loads(r.read_text()) for r in ranks]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_ranks_agree_and_an_inf_on_one_rank_skips_the_step_on_both(tmp_path, strategy):
-    rank0, rank1 = run_workers(tmp_path, strategy, "mpt-fp16", "--inject-step", "3", "--inject-rank", "1")
+@pytest.mark.parametrize(("strategy", "chunked"), [("ddp", ()), ("ddp_spawn", ()), ("ddp", ("--chunked",))])
+def test_ranks_agree_and_an_inf_on_one_rank_skips_the_step_on_both(tmp_path, strategy, chunked):
+    rank0, rank1 = run_workers(tmp_path, strategy, "mpt-fp16", "--inject-step", "3", "--inject-rank", "1", *chunked)
     assert len(rank0) == len(rank1) == 6
     # bitwise across ranks: the all-reduce hands both ranks the same sum of 2 values (commutative), and the step is
     # elementwise; the ranks start from different weights on purpose (the worker), which DDP and the plugin sync
