@@ -188,3 +188,31 @@ def test_gradient_histograms_show_the_true_gradients(tmp_path: Any) -> None:
         }
     assert any(tag.startswith("mpt/grad/") for tag in logged[False])  # the true gradients' values
     assert logged[False] == logged[300]
+
+
+class Unfreeze(L.Callback):
+    """Unfreezes the frozen layer at step 3 (it is in the optimizer's groups already): its masters are made then."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == 3 and not module.frozen.weight.requires_grad:
+            module.frozen.requires_grad_(True)
+
+
+def test_a_layer_unfrozen_during_fit_is_stepped_in_chunks_like_a_whole_step() -> None:
+    whole, _ = _fit("bf16", False, callbacks=[Unfreeze()], steps=8)
+    chunked, _ = _fit("bf16", 300, callbacks=[Unfreeze()], steps=8)
+    torch.manual_seed(0)
+    frozen = Tied().frozen.weight.bfloat16().float()  # what a layer never trained holds after fit
+    assert not torch.equal(whole.frozen.weight, frozen)  # it trained once unfrozen
+    _assert_same_weights(whole, chunked)
+
+
+def test_lbfgs_takes_the_whole_step() -> None:
+    OPTIMIZERS["lbfgs"] = lambda p: torch.optim.LBFGS([q for g in p for q in g["params"]], lr=0.1, max_iter=3)
+    try:
+        whole, _ = _fit("bf16", False, "lbfgs", steps=3)
+        chunked, _ = _fit("bf16", 300, "lbfgs", steps=3)
+    finally:
+        del OPTIMIZERS["lbfgs"]
+    assert len(chunked.stepped) == len(whole.stepped) == 3
+    _assert_same_weights(whole, chunked)
