@@ -1,6 +1,6 @@
 """Bytes per parameter at the optimizer step and at the step's peak, for every precision and optimizer, side by side.
 
-    python benchmarks/memory.py                  # every mode on the benchmark transformer (3.45M parameters), ~2 min
+    python benchmarks/memory.py --batch 1        # every mode, benchmark transformer (3.45M parameters), ~5 min on CPU
     python benchmarks/memory.py --fast           # a 1-layer transformer, a few seconds (what the tests run)
     python benchmarks/memory.py --loss           # and the held-out loss against "32-true" over seeds (minutes)
     python benchmarks/memory.py --modes 32-true mpt-bf16 "mpt-bf16 + torchao AdamW8bit"
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import sys
 from collections.abc import Callable, Iterator
@@ -325,6 +326,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--fast", action="store_true", help="a 1-layer transformer, 3 steps: a few seconds")
     p.add_argument("--size", choices=list(GPT_SIZES), default="small", help="the benchmark transformer's size")
     p.add_argument("--steps", type=int, default=3, help="steps per memory run; the last one is measured")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="batch size (default: the size's); bytes per parameter of "
+        "the step do not depend on it, the time does (a CPU without bf16 arithmetic: try 1)",
+    )
     p.add_argument("--modes", nargs="+", default=None, help="rows of MODES (default: all)")
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--compile", action="store_true", help="torchao's step compiled, as it ships (minutes on a CPU)")
@@ -341,6 +349,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     missing = {m.name: why for m in modes if (why := available(m)) is not None}
     modes = [m for m in modes if m.name not in missing]
     config = FAST if args.fast else GPT_SIZES[args.size]
+    config = dataclasses.replace(config, batch=args.batch or config.batch)
     torch.set_num_threads(args.threads)
     results = {m.name: measure(m, config, args.steps, args.accelerator, args.compile) for m in modes}
     n = next(iter(results.values()))["params"]

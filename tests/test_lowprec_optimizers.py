@@ -79,8 +79,11 @@ def torchao_state(optimizer: torch.optim.Optimizer, master: Tensor, state: dict[
             assert v.dtype == torch.float32
 
 
-def bnb_adam8bit(params: Any) -> torch.optim.Optimizer:
-    return optional("bitsandbytes").optim.Adam8bit(params, lr=1e-2)
+def bnb_8bit(name: str) -> Callable[[Any], torch.optim.Optimizer]:
+    def make(params: Any) -> torch.optim.Optimizer:
+        return getattr(optional("bitsandbytes").optim, name)(params, lr=1e-2)
+
+    return make
 
 
 def bnb_state(optimizer: torch.optim.Optimizer, master: Tensor, state: dict[str, Any]) -> None:
@@ -124,7 +127,8 @@ class SubclassCheckpointIO(TorchCheckpointIO):
 CASES = {
     "torchao-AdamW8bit": Case(torchao_adamw(8), torchao_state, compiled=True, plugins=(SubclassCheckpointIO(),)),
     "torchao-AdamW4bit": Case(torchao_adamw(4), torchao_state, compiled=True, plugins=(SubclassCheckpointIO(),)),
-    "bnb-Adam8bit": Case(bnb_adam8bit, bnb_state),
+    "bnb-Adam8bit": Case(bnb_8bit("Adam8bit"), bnb_state),
+    "bnb-AdamW8bit": Case(bnb_8bit("AdamW8bit"), bnb_state),
     "optimi-AdamW": Case(optimi_adamw(None), optimi_state),
     # Kahan on: the same steps as without it, bitwise, since the masters are fp32
     "optimi-AdamW-kahan": Case(optimi_adamw(True), optimi_state, reference=optimi_adamw(False)),
