@@ -79,6 +79,7 @@ from example_utils import (
     precision_setup,
     synthetic_images,
 )
+from tensor_bytes import is_shard, is_weight_cast, nbytes, storage
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -126,8 +127,8 @@ class MemoryProbe(L.Callback):
         if trainer.global_step != self.at_step:
             return
         self._fsdp_start(pl_module)
-        self._own = {_storage(p) for p in pl_module.parameters()}
-        self._own |= {_storage(m) for opt in trainer.optimizers for m in trainer.precision_plugin.main_params(opt)}
+        self._own = {storage(p) for p in pl_module.parameters()}
+        self._own |= {storage(m) for opt in trainer.optimizers for m in trainer.precision_plugin.main_params(opt)}
         self._saved, self._copies = {}, {}
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -135,9 +136,9 @@ class MemoryProbe(L.Callback):
         self._hooks.__enter__()
 
     def _pack(self, t: Tensor) -> Tensor:
-        key = _storage(t)
+        key = storage(t)
         if key not in self._own:
-            target = self._copies if _is_weight_cast(t) else self._saved
+            target = self._copies if is_weight_cast(t) else self._saved
             target[key] = t.untyped_storage().nbytes()
         return t
 
@@ -165,16 +166,16 @@ class MemoryProbe(L.Callback):
                 if isinstance(m, NORM_LAYERS)
                 for p in m.parameters(recurse=False)
             ),
-            "weights": _nbytes(params, counted),
-            "masters": _nbytes(masters, counted),
-            "master_grads": _nbytes((m.grad for m in masters), counted),
-            "grads": _nbytes((p.grad for p in params), counted),
-            "optimizer_state": _nbytes(state, counted),
+            "weights": nbytes(params, counted),
+            "masters": nbytes(masters, counted),
+            "master_grads": nbytes((m.grad for m in masters), counted),
+            "grads": nbytes((p.grad for p in params), counted),
+            "optimizer_state": nbytes(state, counted),
             "activations": sum(self._saved.values()),
             "weight_copies": sum(self._copies.values()),
         }
         if self._comm is not None:  # FSDP2: the half copy now and at the forward's peak; the step's collectives
-            self.result["gathered_at_step"] = _nbytes((p for p in params if not _is_shard(p)), set())
+            self.result["gathered_at_step"] = nbytes((p for p in params if not is_shard(p)), set())
             self.result["gathered_peak"] = self._gathered_peak
             self._comm.__exit__(None, None, None)  # the forward, the backward and the step decision are done
             self.result.update(self._comm.sent)
@@ -190,7 +191,7 @@ class MemoryProbe(L.Callback):
         modules = list(pl_module.modules())
 
         def gathered(*_: Any) -> None:  # runs after FSDP's own pre-forward hook, which all-gathers
-            now = _nbytes((p for p in pl_module.parameters() if not _is_shard(p)), set())
+            now = nbytes((p for p in pl_module.parameters() if not is_shard(p)), set())
             self._gathered_peak = max(self._gathered_peak, now)
 
         self._gather_hooks = [m.register_forward_pre_hook(gathered) for m in modules]
@@ -200,45 +201,6 @@ class MemoryProbe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.result and torch.cuda.is_available() and "peak_allocated" not in self.result:
             self.result["peak_allocated"] = torch.cuda.max_memory_allocated()
-
-
-def _local(t: Tensor) -> Tensor:
-    """This process's part of ``t``: the local shard of an FSDP2 ``DTensor``, ``t`` itself otherwise."""
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
-
-
-def _is_shard(t: Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def _storage(t: Tensor) -> int:
-    return _local(t).untyped_storage().data_ptr()
-
-
-def _nbytes(tensors: Any, counted: set[Any]) -> int:
-    """Bytes of ``tensors`` (their local shards) not in ``counted`` yet (which they join): a tensor is counted once
-    however many names it has (a module's gradient that is its master's gradient), and views of one buffer (FSDP's
-    gradient shards of a group) each count."""
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = _local(t)
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
-        if key not in counted:
-            counted.add(key)
-            total += t.numel() * t.element_size()
-    return total
-
-
-def _is_weight_cast(t: Tensor) -> bool:
-    """Whether ``t`` is (a view of) a dtype cast of a leaf that requires grad: autocast's per-op copy of a weight."""
-    fn = (t._base if t._is_view() else t).grad_fn  # linear saves the transposed view of the cast weight
-    return (
-        fn is not None
-        and fn.name() == "ToCopyBackward0"
-        and any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None)
-    )
 
 
 def build(
