@@ -23,7 +23,7 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _averaging, _compat
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
-from lightning_mpt.core.config import check_chunked_step
+from lightning_mpt.core.config import check_chunked_step, check_overflow_retries
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Masters, is_fully_sharded
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters, chunkable
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -60,6 +60,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             gradients instead of all (16 bytes per parameter with AdamW instead of 18): ``True`` for chunks of
             ``2**24`` elements, or a number of elements. Exact (the masters of a whole step) for torch's built-in
             optimizers; others take the whole step. Hooks see the half gradients, still scaled (docs/memory.md).
+        overflow_retries: in automatic optimization, run a batch whose gradients overflowed again at the backed-off
+            scale, up to this many times, instead of skipping its step (fairseq's ``amp_batch_retries``). Each
+            retry runs ``training_step`` and the backward again, with their side effects (docs/scaler.md). ``0``
+            (the default): skip the step. Needs a dynamic scale and ``accumulate_grad_batches=1``.
         skipped_steps_advance_schedulers: ``True`` (Lightning's behaviour): a step skipped for non-finite gradients
             counts for the LR schedulers. ``False`` (Megatron-LM's and DeepSpeed's): a scheduler's ``step()`` does
             nothing when every step of its optimizer since its last ``step()`` was skipped, so that warm-up and decay
@@ -84,6 +88,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
         chunked_step: Union[bool, int] = False,
+        overflow_retries: int = 0,
         skipped_steps_advance_schedulers: bool = True,
     ) -> None:
         self._init_plugin(
@@ -95,6 +100,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             accumulate_fp32,
             skipped_steps_advance_schedulers,
         )
+        self.overflow_retries = check_overflow_retries(overflow_retries, self.scaler)
         chunk = check_chunked_step(chunked_step, master_weights)
         self.chunked_step = chunked_step
         if chunk is not None:
@@ -152,6 +158,12 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         trainer = _compat.attached_trainer(lightning_module)
         if trainer is not None and self.master_weights:
             self._averaging = _averaging.adapt(trainer.callbacks, masters)
+        if self.overflow_retries and trainer is not None and trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                f"MPTPrecision(overflow_retries={self.overflow_retries}) runs the batch of an overflowing step again, "
+                f"but with accumulate_grad_batches={trainer.accumulate_grad_batches} the step's gradients come from "
+                "several batches. Use overflow_retries=0 with gradient accumulation."
+            )
         return model, optimizers, lr_schedulers
 
     def teardown(self) -> None:
@@ -239,6 +251,15 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             after()
             return None
         pending = self._engine.decide(optimizer)
+        retries = self.overflow_retries if automatic else 0
+        while pending.skipped and pending.loss_finite and retries > 0:  # a lower scale can help a finite loss only
+            retries -= 1
+            self._engine.give_up(optimizer, pending)  # the scale backs off
+            closure_result = closure()  # zero_grad, training_step and backward again, on the same batch
+            if closure_result is None:
+                after()
+                return None
+            pending = self._engine.decide(optimizer)
         after()  # the hooks and clipping see unscaled gradients
         return self._engine.step(optimizer, pending, lambda: closure_result, **kwargs)
 

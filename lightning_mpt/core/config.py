@@ -87,3 +87,15 @@ def check_chunked_step(chunked_step: Any, master_weights: bool) -> Optional[int]
     if not master_weights:
         raise ValueError("MPTPrecision(chunked_step=...) steps fp32 masters in chunks: it needs master_weights=True.")
     return chunk
+
+
+def check_overflow_retries(overflow_retries: Any, scaler: Optional[DynamicLossScaler]) -> int:
+    """Validate ``MPTPrecision(overflow_retries=...)``: an int >= 0; retries need a dynamic scale to back off."""
+    if isinstance(overflow_retries, bool) or not isinstance(overflow_retries, int) or overflow_retries < 0:
+        raise ValueError(f"MPTPrecision(overflow_retries={overflow_retries!r}): expected an int >= 0 (0: no retry).")
+    if overflow_retries and (scaler is None or scaler.is_static):
+        raise ValueError(
+            f"MPTPrecision(overflow_retries={overflow_retries}) runs an overflowing batch again at a lower scale: it "
+            "needs a dynamic loss scale (fp16 with scaler=None or a DynamicLossScaler), not a static or no scale."
+        )
+    return overflow_retries

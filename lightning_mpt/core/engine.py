@@ -298,6 +298,13 @@ class MixedPrecisionEngine:
             self.log.taken(pending.optimizer, pending.scale, pending.loss_finite)
         return output
 
+    def give_up(self, optimizer: Optimizer, pending: PendingStep) -> None:
+        """Abandon a step decided skipped before it is carried out, to compute its gradients again: the scale backs
+        off, the gradients are dropped and the overflow is recorded as a skipped step (the guard looks), as for any
+        skip; the optimizer is not called and the LR schedulers are not told of a step."""
+        self._pending.pop(optimizer, None)
+        self._skip(optimizer, pending)
+
     def _skip(self, optimizer: Optimizer, pending: PendingStep) -> None:
         """Carry out a skipped step: nothing moves, the gradients are dropped, the scale backs off, the guard looks."""
         grads = pending.grads

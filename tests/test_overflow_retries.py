@@ -1,0 +1,126 @@
+"""``MPTPrecision(overflow_retries=N)``: a batch whose gradients overflowed runs again at the backed-off scale, so no
+batch is lost; the retries' side effects are those of running the batch again."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from models import InjectInf, SmallCNN, classification_images, quiet_trainer, regression_data
+from torch import nn
+
+from lightning_mpt import DynamicLossScaler, MPTPrecision
+
+STEPS = 4
+
+
+class Loud(L.LightningModule):
+    """Linear layers whose loss is multiplied by 2**12: at the default scale of 2**16 its gradients overflow fp16."""
+
+    def __init__(self, nan_at: int = -1) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.nan_at = nan_at
+        self.calls = 0  # training_step runs
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y) * 2.0**12
+        return loss * math.nan if batch_idx == self.nan_at else loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _fit(
+    model: L.LightningModule, init_scale: float, retries: int, data: Any = None, **kwargs: Any
+) -> tuple[L.LightningModule, MPTPrecision]:
+    scaler = DynamicLossScaler(init_scale=init_scale, growth_interval=1000)
+    plugin = MPTPrecision("fp16", scaler=scaler, overflow_retries=retries)
+    trainer = quiet_trainer(max_steps=STEPS, plugins=[plugin], **kwargs)
+    trainer.fit(model, data if data is not None else regression_data(n=64, batch_size=16))
+    return model, plugin
+
+
+def test_an_overflowing_batch_runs_again_at_the_lower_scale_and_no_batch_is_lost() -> None:
+    torch.manual_seed(0)
+    retried, plugin = _fit(Loud(), 2.0**16, retries=20)
+    backoffs = plugin.skipped_steps
+    assert backoffs > 0  # it did overflow
+    assert retried.calls == STEPS + backoffs  # each overflow ran its batch again
+    assert [r.skipped for r in plugin.history] == [True] * backoffs + [False] * STEPS  # every batch was stepped
+    # a run that starts at the scale the retries reached steps the same gradients: the same masters (one process,
+    # the same arithmetic in the same order)
+    torch.manual_seed(0)
+    reference, ref_plugin = _fit(Loud(), 2.0**16 / 2**backoffs, retries=0)
+    assert ref_plugin.skipped_steps == 0
+    for (name, a), b in zip(retried.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert plugin.loss_scale == ref_plugin.loss_scale
+
+
+def test_without_retries_the_overflowing_batches_are_lost() -> None:
+    torch.manual_seed(0)
+    model, plugin = _fit(Loud(), 2.0**16, retries=0)
+    assert model.calls == STEPS
+    assert plugin.skipped_steps > 0
+    assert sum(not r.skipped for r in plugin.history) == STEPS - plugin.skipped_steps
+
+
+class CountBackward(L.Callback):
+    def __init__(self) -> None:
+        self.backwards = 0
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.backwards += 1
+
+
+def test_a_retry_runs_the_batch_again_with_its_side_effects() -> None:
+    class LoudCNN(SmallCNN):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch, batch_idx) * 2.0**9
+
+    torch.manual_seed(0)
+    counter = CountBackward()
+    model, plugin = _fit(LoudCNN(), 2.0**16, 20, classification_images(n=32, batch_size=8), callbacks=[counter])
+    assert plugin.skipped_steps > 0
+    # BatchNorm's running statistics and the callbacks saw every run of a batch, retries included
+    assert counter.backwards == STEPS + plugin.skipped_steps
+    assert int(model.features[1].num_batches_tracked) == STEPS + plugin.skipped_steps
+
+
+def test_retries_are_bounded_and_a_non_finite_loss_is_not_retried() -> None:
+    torch.manual_seed(0)
+    inject = InjectInf("net.0.weight", batches={1})  # an inf at any scale: every retry overflows again
+    model, plugin = _fit(Loud(), 2.0**4, retries=3, callbacks=[inject])
+    assert len(inject.injected) == 1 + 3
+    assert plugin.skipped_steps == 4
+    torch.manual_seed(0)
+    model, plugin = _fit(Loud(nan_at=2), 2.0**4, retries=3)
+    assert plugin.skipped_steps == 1  # a lower scale cannot make a NaN loss finite
+    assert model.calls == STEPS
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"overflow_retries": -1}, "int >= 0"),
+        ({"overflow_retries": True}, "int >= 0"),
+        ({"overflow_retries": 2, "scaler": 1024.0}, "dynamic loss scale"),
+    ],
+)
+def test_bad_retries_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MPTPrecision("fp16", **kwargs)
+    with pytest.raises(ValueError, match="dynamic loss scale"):
+        MPTPrecision("bf16", overflow_retries=1)
+
+
+def test_retries_with_gradient_accumulation_are_refused() -> None:
+    with pytest.raises(MisconfigurationException, match="accumulate_grad_batches=2"):
+        _fit(Loud(), 2.0**4, retries=1, accumulate_grad_batches=2)
