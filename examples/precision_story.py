@@ -22,6 +22,7 @@ Everything is seeded: the same numbers on every run of the same torch on the sam
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,9 @@ def scalers() -> dict[str, Any]:
 
 
 def train(name: str, scaler: Any, steps: int, logdir: str, accelerator: str = "cpu") -> dict[str, Any]:
-    """One seeded fp16 run with the three monitors; what the plugin saw."""
+    """One seeded fp16 run with the three monitors; what the plugin saw. The run's folder of an earlier demo is
+    replaced: the report would read both runs' events as one."""
+    shutil.rmtree(Path(logdir) / name, ignore_errors=True)
     L.seed_everything(0, verbose=False)
     plugin = MPTPrecision("fp16", scaler=scaler)
     trainer = L.Trainer(

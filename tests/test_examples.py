@@ -59,6 +59,9 @@ def test_precision_story_overflows_recovers_underflows_and_advises(
     advice = printed[printed.index("advice (what to change, and why):") :]
     assert "[skips_at_start]" in advice.split("unscaled")[0]
     assert "Gradients flush to zero below the scale's reach: at scale 1" in advice.split("unscaled")[1]
+    # the demo run again in the same folder reports the same (it used to read the first run's events too)
+    precision_story.main(["--fast", "--logdir", str(tmp_path), "--no-plots"])
+    assert capsys.readouterr().out == printed
 
 
 def test_resnet_learns_with_fp32_batchnorm(tmp_path: Path) -> None:
