@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
 from lightning_mpt.core.masters._edits import edit_flags
-from lightning_mpt.core.masters._flow import _chunks, _set_grad, _unscale_, _write_halves
+from lightning_mpt.core.masters._flow import _chunks, _unscale_, _write_halves
 from lightning_mpt.core.masters.copies import CopyMasters
 
 __all__ = ["CHUNKABLE", "DEFAULT_CHUNK", "ChunkedGrads", "ChunkedMasters", "chunkable"]
@@ -244,13 +244,7 @@ class ChunkedMasters(CopyMasters):
 
     def discard(self, grads: Gradients) -> None:
         self._last.pop(grads.optimizer, None)  # type: ignore[arg-type]
-        if not isinstance(grads, ChunkedGrads):
-            super().discard(grads)
-            return
-        for p in grads.params:
-            _set_grad(p, None)
-        for p in grads.own_params:
-            p.grad = None
+        super().discard(grads)  # a chunked step's masters hold no gradient: the same drop as a whole step's
 
     def restore(self) -> None:
         self._last.clear()
