@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 from common import GPT, GPT_SIZES, GPTConfig, gpt_data  # noqa: E402
 from memory_breakdown import MemoryProbe  # noqa: E402
-from tensor_bytes import nbytes, parts, storage  # noqa: E402
+from tensor_bytes import master_tensors, nbytes, parts, storage  # noqa: E402
 
 from lightning_mpt import MPTPrecision  # noqa: E402
 
@@ -104,10 +104,20 @@ MODES: list[Mode] = [
     Mode("mpt-bf16 accumulate_fp32", _mpt(precision="bf16", accumulate_fp32=True)),
     Mode("mpt-fp16 chunked_step=2**18", _mpt(precision="fp16", chunked_step=2**18), half_cpu=True),
     Mode("mpt-bf16 chunked_step=2**18", _mpt(precision="bf16", chunked_step=2**18)),
+    Mode("mpt-bf16 master_remainders", _mpt(precision="bf16", master_remainders=True)),
+    Mode(
+        "mpt-bf16 master_remainders chunked_step=2**18",
+        _mpt(precision="bf16", master_remainders=True, chunked_step=2**18),
+    ),
     Mode("bf16-true + optimi AdamW Kahan", lambda: {"precision": "bf16-true"}, "optimi AdamW Kahan"),
     Mode("bf16-true + torchao _AdamW bf16 SR", lambda: {"precision": "bf16-true"}, "torchao _AdamW bf16 SR"),
     Mode("mpt-bf16 + torchao AdamW8bit", _mpt(precision="bf16"), "torchao AdamW8bit"),
     Mode("mpt-bf16 + torchao AdamW4bit", _mpt(precision="bf16"), "torchao AdamW4bit"),
+    Mode(
+        "mpt-bf16 master_remainders + torchao AdamW8bit",
+        _mpt(precision="bf16", master_remainders=True),
+        "torchao AdamW8bit",
+    ),
     Mode("mpt-bf16 + bnb AdamW8bit", _mpt(precision="bf16"), "bnb AdamW8bit"),
     Mode("mpt-bf16 + optimi AdamW", _mpt(precision="bf16"), "optimi AdamW"),
 ]
@@ -229,7 +239,9 @@ def state_tensors(trainer: L.Trainer, module: L.LightningModule) -> list[Tensor]
     """The tensors a step starts from: weights, gradients, the plugin's masters and theirs, the optimizers' state."""
     params = list(module.parameters())
     ids = {id(p) for p in params}
-    masters = [m for opt in trainer.optimizers for m in trainer.precision_plugin.main_params(opt) if id(m) not in ids]
+    masters = [
+        m for opt in trainer.optimizers for m in master_tensors(trainer.precision_plugin, opt) if id(m) not in ids
+    ]
     state = [v for opt in trainer.optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
     grads = [t.grad for t in params + masters if t.grad is not None]
     return params + masters + grads + state

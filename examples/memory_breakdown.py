@@ -79,7 +79,7 @@ from example_utils import (
     precision_setup,
     synthetic_images,
 )
-from tensor_bytes import is_shard, is_weight_cast, nbytes, storage
+from tensor_bytes import is_shard, is_weight_cast, master_tensors, nbytes, storage
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -128,7 +128,7 @@ class MemoryProbe(L.Callback):
             return
         self._fsdp_start(pl_module)
         self._own = {storage(p) for p in pl_module.parameters()}
-        self._own |= {storage(m) for opt in trainer.optimizers for m in trainer.precision_plugin.main_params(opt)}
+        self._own |= {storage(m) for opt in trainer.optimizers for m in master_tensors(trainer.precision_plugin, opt)}
         self._saved, self._copies = {}, {}
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -155,7 +155,7 @@ class MemoryProbe(L.Callback):
             return
         params = list(pl_module.parameters())
         ids = {id(p) for p in params}
-        masters = [m for m in trainer.precision_plugin.main_params(optimizer) if id(m) not in ids]
+        masters = [m for m in master_tensors(trainer.precision_plugin, optimizer) if id(m) not in ids]
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
         counted: set[Any] = set()  # each tensor once: a module gradient that is its master's gradient is one tensor
         self.result = {

@@ -126,3 +126,10 @@ def is_weight_cast(t: Tensor) -> bool:
         and fn.name() == "ToCopyBackward0"
         and any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None)
     )
+
+
+def master_tensors(plugin: Any, optimizer: Any) -> list[Any]:
+    """The tensors holding the masters of ``optimizer``'s parameters: ``MPTPrecision.master_storage`` (the int16
+    remainders of masters stored in 16 bits, without waking them), else Lightning's ``main_params``."""
+    held = getattr(plugin, "master_storage", None)
+    return list(held(optimizer) if held is not None else plugin.main_params(optimizer))

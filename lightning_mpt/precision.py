@@ -23,10 +23,11 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _averaging, _compat
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
-from lightning_mpt.core.config import check_chunked_step, check_overflow_retries
+from lightning_mpt.core.config import check_chunked_step, check_master_remainders, check_overflow_retries
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Masters, is_fully_sharded
-from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters, chunkable
+from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
 from lightning_mpt.core.masters.copies import CopyMasters
+from lightning_mpt.core.masters.remainders import RemainderMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.core.steps import NonFiniteGradientError, StepRecord
 
@@ -60,6 +61,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             gradients instead of all (16 bytes per parameter with AdamW instead of 18): ``True`` for chunks of
             ``2**24`` elements, or a number of elements. Exact (the masters of a whole step) for torch's built-in
             optimizers; others take the whole step. Hooks see the half gradients, still scaled (docs/memory.md).
+        master_remainders: store each bf16 parameter's fp32 master as its 16 low bits beside the weight between
+            steps (2 bytes instead of 4), rebuilt exactly for the step: with ``chunked_step``, a chunk at a time
+            (14 bytes per parameter with AdamW at the step). bf16 only; the half weights round ties away from zero
+            instead of to even (docs/memory.md).
         overflow_retries: in automatic optimization, run a batch whose gradients overflowed again at the backed-off
             scale, up to this many times, instead of skipping its step (fairseq's ``amp_batch_retries``). Each
             retry runs ``training_step`` and the backward again, with their side effects (docs/scaler.md). ``0``
@@ -88,6 +93,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
         chunked_step: Union[bool, int] = False,
+        master_remainders: bool = False,
         overflow_retries: int = 0,
         skipped_steps_advance_schedulers: bool = True,
     ) -> None:
@@ -103,7 +109,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         self.overflow_retries = check_overflow_retries(overflow_retries, self.scaler)
         chunk = check_chunked_step(chunked_step, master_weights)
         self.chunked_step = chunked_step
-        if chunk is not None:
+        self.master_remainders = check_master_remainders(master_remainders, self._dtype, master_weights)
+        if master_remainders:
+            self._engine.masters = RemainderMasters(self.keep_fp32, chunk)
+        elif chunk is not None:
             self._engine.masters = ChunkedMasters(self._dtype, self.keep_fp32, chunk)
         self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
@@ -133,6 +142,12 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
                     "MPTPrecision(chunked_step=...) is not supported under FSDP2 (ModelParallelStrategy): FSDP2's "
                     "shards are the masters and its step holds 1/N of the gradients per process already. Leave "
                     "chunked_step=False."
+                )
+            if self.master_remainders:
+                raise ValueError(
+                    "MPTPrecision(master_remainders=True) is not supported under FSDP2 (ModelParallelStrategy): "
+                    "FSDP2's fp32 shards are the masters (4/N bytes per parameter per process). Leave "
+                    "master_remainders=False."
                 )
             return self._sharded_masters("trainer")
         return self._copy_masters
@@ -239,7 +254,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         optimizer = unwrap(optimizer)
         automatic = getattr(model, "automatic_optimization", False)
         after = partial(_compat.after_closure, self, model, optimizer)  # on_before_optimizer_step, then clipping
-        chunked = isinstance(self._engine.masters, ChunkedMasters) and chunkable(optimizer)
+        chunked = isinstance(self._engine.masters, ChunkedMasters) and self._engine.masters.in_chunks(optimizer)
         if self.scaler is None and (automatic or isinstance(optimizer, LBFGS)) and not chunked:
             # as Lightning without a scaler: the optimizer runs the closure (LBFGS re-evaluates it)
             return self._engine.step_in_closure(optimizer, closure, after, **kwargs)

@@ -1,7 +1,7 @@
 """A 2-process CPU (gloo) training run for tests/test_ddp.py; each rank writes what it saw to ``OUT/rank<r>.json``.
 
 usage: python ddp_worker.py STRATEGY OUT PRECISION [--inject-step K --inject-rank R] [--model nonorm|mlp]
-                            [--accumulate N [--accumulate-fp32]] [--chunked] [--auto-scale]
+                            [--accumulate N [--accumulate-fp32]] [--chunked] [--remainders] [--auto-scale]
 
 PRECISION is ``mpt-fp16``, ``mpt-bf16`` or ``lightning-16-mixed`` (Lightning's MixedPrecision with a GradScaler).
 Per training batch a rank records the loss scale, whether the step was skipped, a SHA-1 of its fp32 weights (the
@@ -117,6 +117,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--accumulate-fp32", action="store_true", help="MPTPrecision(accumulate_fp32=True)")
     p.add_argument("--chunked", action="store_true", help="MPTPrecision(chunked_step=64): the step in chunks")
+    p.add_argument("--remainders", action="store_true", help="MPTPrecision(master_remainders=True) (bf16)")
     p.add_argument("--auto-scale", action="store_true", help="DynamicLossScaler(init_scale='auto'), unequal gradients")
     args = p.parse_args()
 
@@ -124,6 +125,8 @@ def main() -> None:
     extra: dict = {"accumulate_fp32": True} if args.accumulate_fp32 else {}
     if args.chunked:
         extra["chunked_step"] = 64
+    if args.remainders:
+        extra["master_remainders"] = True
     plugin = (
         MPTPrecision(args.precision[4:], **extra)
         if args.precision.startswith("mpt")

@@ -6,7 +6,7 @@ foreach or fused where the CPU supports it; automatic optimization with ``accumu
 optimization with one or two optimizers, each step maybe followed by a second one without a backward (with or without
 ``zero_grad`` between them); clipping none, by norm or by value; two parameter groups; frozen and unused parameters;
 tied weights; a per-step LR scheduler; overflows injected into random micro-batches; fp16 with a dynamic or a static
-scale, or bf16; checkpoint and resume at a random epoch boundary.
+scale, or bf16 (its masters maybe stored as 16-bit remainders); checkpoint and resume at a random epoch boundary.
 
 The replay is the test's own: it records each micro-batch's half gradients as ``on_after_backward`` sees them (the
 scaled values the plugin will read), unscales them by multiplying by ``1/scale`` in fp32, clips them with torch's
@@ -16,7 +16,7 @@ backward in between steps the replay again with the gradients it used last (as u
 the half format. Invariants:
 
 (i) after every optimizer step, the masters equal the replay, bitwise;
-(ii) the half weights equal the rounded masters;
+(ii) the half weights equal the rounded masters (with 16-bit remainders: rounded with ties away from zero);
 (iii) a skipped step changes nothing (weights, masters, optimizer state), and LR schedulers step as under Lightning's
      "16-mixed" (skipped steps included);
 (iv) after fit the module is fp32 and equals the replay;
@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mpt import DynamicLossScaler, MPTPrecision
+from lightning_mpt.core.masters.remainders import split
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +92,7 @@ class Setup:
     seed: int
     again: Optional[str] = None  # manual optimization: after each step, "step" again, or "zero_grad" then step again
     chunked: bool = False  # MPTPrecision(chunked_step=...): the masters stepped a few tensors at a time
+    remainders: bool = False  # bf16: MPTPrecision(master_remainders=True), the masters stored as 16-bit remainders
 
     def make_optimizer(self, params: Any) -> torch.optim.Optimizer:
         cls, hyper, _ = OPTIMIZERS[self.optimizer]
@@ -104,7 +106,7 @@ class Setup:
     def plugin(self) -> MPTPrecision:
         chunk = CHUNK if self.chunked else False
         if self.precision == "bf16":
-            return MPTPrecision("bf16", chunked_step=chunk)
+            return MPTPrecision("bf16", chunked_step=chunk, master_remainders=self.remainders)
         if self.precision == "fp16-static":
             return MPTPrecision("fp16", scaler=2.0**6, chunked_step=chunk)
         scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
@@ -132,6 +134,7 @@ def setups(draw: st.DrawFn) -> Setup:
         seed=draw(st.integers(0, 2**16)),
         again=draw(st.sampled_from([None, "step", "zero_grad"])) if mode != "auto" else None,
         chunked=draw(st.booleans()),
+        remainders=draw(st.booleans()),
     )
 
 
@@ -312,7 +315,9 @@ class Replay(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         plugin = trainer.precision_plugin
         for _, param, master in plugin.named_masters():
-            assert torch.equal(param, master.to(param.dtype)), self.setup  # (ii)
+            # remainders round ties away from zero (the one rounding that 16 bits can store exactly), torch to even
+            rounded = split(master)[0] if self.setup.remainders and self.setup.precision == "bf16" else master
+            assert torch.equal(param, rounded.to(param.dtype)), self.setup  # (ii)
         records = list(plugin.history)[self.history_len :]
         self.history_len = len(plugin.history)
         for record in records:
@@ -487,8 +492,53 @@ def test_every_step_matches_an_independent_fp32_replay(setup: Setup) -> None:
             "fp16-dynamic",
             4,
         ),
+        # 16-bit remainders: chunked with resume, tied weights and a frozen branch; and the whole step, with a step
+        # taken again after zero_grad
+        Setup(
+            "adamw",
+            "fused",
+            "auto",
+            2,
+            ("norm", 0.5),
+            True,
+            True,
+            True,
+            True,
+            True,
+            frozenset({1}),
+            1,
+            "bf16",
+            5,
+            chunked=True,
+            remainders=True,
+        ),
+        Setup(
+            "adam",
+            "foreach",
+            "manual1",
+            1,
+            ("value", 0.02),
+            False,
+            True,
+            True,
+            False,
+            False,
+            frozenset({3}),
+            0,
+            "bf16",
+            6,
+            again="zero_grad",
+            remainders=True,
+        ),
     ],
-    ids=["adagrad-accumulate-clip-all", "adamw-two-optimizers", "sgd-manual-bf16", "radam-accumulate-4"],
+    ids=[
+        "adagrad-accumulate-clip-all",
+        "adamw-two-optimizers",
+        "sgd-manual-bf16",
+        "radam-accumulate-4",
+        "remainders-chunked-resume",
+        "remainders-whole-again",
+    ],
 )
 def test_chosen_setups(setup: Setup) -> None:
     check(setup)

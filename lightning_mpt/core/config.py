@@ -89,6 +89,20 @@ def check_chunked_step(chunked_step: Any, master_weights: bool) -> Optional[int]
     return chunk
 
 
+def check_master_remainders(master_remainders: Any, dtype: torch.dtype, master_weights: bool) -> bool:
+    """Validate ``MPTPrecision(master_remainders=...)``: a bool; the remainders need bf16 weights and masters."""
+    if not isinstance(master_remainders, bool):
+        raise TypeError(f"MPTPrecision(master_remainders={master_remainders!r}): expected a bool (True or False).")
+    if master_remainders and dtype != torch.bfloat16:
+        raise ValueError(
+            "MPTPrecision(master_remainders=True) needs precision='bf16': an fp32 master is its bf16 weight plus 16 "
+            "low bits, but fp16's bits are not a prefix of fp32's. fp16 keeps 4-byte masters."
+        )
+    if master_remainders and not master_weights:
+        raise ValueError("MPTPrecision(master_remainders=True) stores fp32 masters: it needs master_weights=True.")
+    return master_remainders
+
+
 def check_overflow_retries(overflow_retries: Any, scaler: Optional[DynamicLossScaler]) -> int:
     """Validate ``MPTPrecision(overflow_retries=...)``: an int >= 0; retries need a dynamic scale to back off."""
     if isinstance(overflow_retries, bool) or not isinstance(overflow_retries, int) or overflow_retries < 0:

@@ -187,6 +187,9 @@ class Masters(Protocol):
     def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
         """``(name, parameter, master)`` of each parameter with a master."""
 
+    def storage_of(self, param: Tensor) -> Optional[Tensor]:
+        """The tensor holding ``param``'s master now, other than ``param`` itself (``None``: none)."""
+
 
 class _Handing(Protocol):
     def enter(self, optimizer: Optimizer, grads: Gradients) -> None: ...

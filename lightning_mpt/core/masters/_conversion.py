@@ -180,7 +180,7 @@ class MasterStateDictHook:
             if value is None or isinstance(value, nn.Parameter):  # keep_vars=True: leave the objects
                 continue
             p = module.get_parameter(name)
-            master = self.owner.masters.get(p)
+            master = self.owner.saved_master(p)
             if master is not None:
                 state_dict[key] = master.detach()
             elif p in self.owner.converted:
@@ -208,10 +208,11 @@ class MasterLoadHook:
             p = module.get_parameter(name)
             if not isinstance(value, Tensor) or value.shape != p.shape:
                 continue  # load_state_dict reports the mismatch
-            master = owner.masters.get(p)
             with torch.no_grad():
-                if master is not None:
-                    master.copy_(value)
+                if p in owner.masters:
+                    half = owner.load_master(p, value)
+                    if half is not None:  # the half weight the master's storage rests on, for the module to load
+                        state_dict[prefix + name] = half
                 elif (
                     owner.enabled
                     and value.dtype == torch.float32

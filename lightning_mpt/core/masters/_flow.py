@@ -34,6 +34,18 @@ class GradientFlow:
     def add_master(self, param: Tensor, master: Tensor) -> None:
         raise NotImplementedError
 
+    def edit_flags(self, params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) -> Tensor:
+        """Whether each half weight of ``params`` differs from its master rounded (see :func:`edit_flags`)."""
+        return edit_flags(params, masters, scratch)
+
+    def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
+        """Round ``masters`` into their half parameters ``params``."""
+        _write_halves(params, masters)
+
+    def write_back(self, params: list[Tensor], masters: list[Tensor]) -> None:
+        """After a step: the stepped ``masters`` go back into storage, their half weights refreshed."""
+        _write_halves(params, masters)
+
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         """Copy ``optimizer``'s half gradients into fp32 master gradients and unscale everything by ``1/scale``.
 
@@ -118,7 +130,7 @@ class GradientFlow:
                     for g, p in zip(halves, params)
                 ]
             )
-            flags = edit_flags(params, masters, scratch)
+            flags = self.edit_flags(params, masters, scratch)
         if _compat.GRAD_DTYPE:  # the parameters carry the fp32 gradients (their half ones are freed now)
             for p, m, f in zip(params, masters, fp32):
                 if p.grad_dtype is not None:
@@ -183,7 +195,7 @@ class GradientFlow:
         else:
             for m in grads.masters:
                 m.grad = None
-        _write_halves(grads.params, grads.masters)
+        self.write_back(grads.params, grads.masters)
         grads.entered = False
 
     def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:

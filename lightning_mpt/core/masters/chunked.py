@@ -29,8 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
-from lightning_mpt.core.masters._edits import edit_flags
-from lightning_mpt.core.masters._flow import _chunks, _unscale_, _write_halves
+from lightning_mpt.core.masters._flow import _chunks, _unscale_
 from lightning_mpt.core.masters.copies import CopyMasters
 
 __all__ = ["CHUNKABLE", "DEFAULT_CHUNK", "ChunkedGrads", "ChunkedMasters", "chunkable"]
@@ -156,7 +155,7 @@ class ChunkedMasters(CopyMasters):
         """Decide from the half gradients, a chunk at a time: the non-finite flag, each gradient's norm and the edit
         flags stay on the device; no fp32 gradient outlives its chunk. An optimizer that is not :func:`chunkable` gets
         the whole step's fp32 gradients."""
-        if not chunkable(optimizer):
+        if not self.in_chunks(optimizer):
             return super().prepare(optimizer, scale, check_edits)
         out = ChunkedGrads(optimizer=optimizer, scale=scale, chunk=self.chunk)
         last = self._last.pop(optimizer, None)
@@ -172,7 +171,7 @@ class ChunkedMasters(CopyMasters):
             found.append(_unscale_(fp32, inv_scale))
             out.norms.extend(_compat.foreach_norm(fp32, 2.0))
             if check_edits:
-                edited.append(edit_flags(params, masters, [torch.empty_like(p) for p in params]).reshape(-1).any())
+                edited.append(self.edit_flags(params, masters, [torch.empty_like(p) for p in params]).reshape(-1).any())
         own = [p.grad for p in out.own_params]  # unscaled in place (already, for a step taken again)
         found.append(_unscale_(own, 1.0 if last is not None else inv_scale))  # type: ignore[arg-type]
         flags = [f for f in found if f is not None]
@@ -194,6 +193,7 @@ class ChunkedMasters(CopyMasters):
         try:
             for n, (start, stop) in enumerate(chunks):
                 params, masters = grads.params[start:stop], grads.masters[start:stop]
+                self.wake(params)
                 fp32 = self._chunk_gradients(grads, params, masters)
                 master_of = {id(p): m for p, m in zip(params, masters)}
                 stepped = master_of.keys() | own if n == 0 else master_of.keys()
@@ -213,7 +213,7 @@ class ChunkedMasters(CopyMasters):
                             state[p] = state.pop(m)
                         m.grad = None
                     grads.entered = False
-                    _write_halves(params, masters)
+                    self.write_back(params, masters)
                     del fp32
             self._last[optimizer] = grads
         finally:
@@ -236,6 +236,13 @@ class ChunkedMasters(CopyMasters):
         for (_, m), g in zip(kept, fp32):
             m.grad = g
         return fp32
+
+    def in_chunks(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` is stepped a chunk at a time (it is :func:`chunkable`)."""
+        return chunkable(optimizer)
+
+    def wake(self, params: list[Tensor]) -> None:
+        """Before a chunk's step: make the masters of ``params`` hold their values (they always do here)."""
 
     def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
         if isinstance(grads, ChunkedGrads):  # the chunks have already given everything back

@@ -17,6 +17,7 @@ reset their autograd gradient accumulators and detach DDP's hooks.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, HALF_DTYPES, Gradients, distributed
 from lightning_mpt.core.masters._conversion import convert_module, exact_state, restore_module
 from lightning_mpt.core.masters._edits import copy_into_masters, edit_flags_of, edited_pairs
-from lightning_mpt.core.masters._flow import GradientFlow, _by_device, _write_halves
+from lightning_mpt.core.masters._flow import GradientFlow, _by_device
 from lightning_mpt.core.masters._groups import GroupSwap
 
 __all__ = ["CopyMasters"]
@@ -108,6 +109,20 @@ class CopyMasters(GradientFlow):
         """The fp32 tensor that the optimizer steps for ``param`` (``param`` itself when it has no master)."""
         return self.masters.get(param, param)
 
+    def storage_of(self, param: Tensor) -> Optional[Tensor]:
+        """The tensor holding ``param``'s master (``None`` when it has none)."""
+        return self.masters.get(param)
+
+    def saved_master(self, param: Tensor) -> Optional[Tensor]:
+        """What a checkpoint saves for ``param``: its master (``None`` when it has none)."""
+        return self.masters.get(param)
+
+    def load_master(self, param: Tensor, value: Tensor) -> Optional[Tensor]:
+        """Load ``value`` into the master of ``param`` exactly; returns the half value the module should load for
+        ``param`` in place of ``value``'s own rounding (``None``: that rounding)."""
+        self.masters[param].copy_(value)
+        return None
+
     def name_of(self, param: Tensor) -> str:
         return self.names.get(param, f"<unnamed {tuple(param.shape)}>")
 
@@ -141,7 +156,7 @@ class CopyMasters(GradientFlow):
 
     def refresh(self) -> None:
         """Write the masters into the half weights."""
-        _write_halves(list(self.masters), list(self.masters.values()))
+        self.write_halves(list(self.masters), list(self.masters.values()))
 
     def adopt(self, optimizer: Optimizer) -> list[RemovableHandle]:
         """Keep ``optimizer``'s state fp32 and exact, and let ``load_state_dict`` see the masters (torch casts loaded

@@ -335,6 +335,10 @@ class ShardedMasters:
         """``param`` itself: the fp32 shard is the master."""
         return param
 
+    def storage_of(self, param: Tensor) -> Optional[Tensor]:
+        """``None``: the shard is the parameter itself."""
+        return None
+
     def name_of(self, param: Tensor) -> str:
         return self._names.get(param, f"<unnamed {tuple(param.shape)}>")
 

@@ -1,0 +1,307 @@
+"""bf16 masters stored in 16 bits: each fp32 master is its bf16 weight plus a signed 16-bit remainder.
+
+An fp32 number's top 16 bits are a bf16 number. :func:`split` rounds an fp32 master to bf16 with ties away from zero
+(in the bit pattern: the low half ``>= 0x8000`` carries into the top half) and keeps ``low - 0x10000 * carry``, which
+lies in ``[-0x8000, 0x7FFF]``: an ``int16``. :func:`join` undoes it exactly, bit for bit. Torch's cast rounds ties to
+even instead, and no 16-bit storage can be exact with that rounding: a bf16 value whose last bit is 0 is the rounding
+of 65,537 fp32 values (both ties round to it). So the half weights differ from ``master.to(torch.bfloat16)`` exactly
+when the master's low 16 bits are ``0x8000`` (one value in 65,536), by one bf16 step away from zero. Non-finite masters
+are truncated, never carried into another class: an infinity stays infinite, a NaN stays non-finite (a NaN may lose
+its payload's low bits, and one whose top half reads as an infinity comes back as that infinity).
+
+:class:`RemainderMasters` keeps each master asleep between steps: the half weight plus its remainder, 4 bytes per
+parameter instead of 6. A master is woken (rebuilt in fp32) for its step, a chunk at a time with the chunked step, and
+put back to sleep after it. Anything that asks for a master between steps (``master_of``, diagnostics, weight
+averaging) wakes it until the next forward. A half weight edited in place while its master sleeps (a clamp,
+``nn.Embedding(max_norm=...)``) is noticed by a fingerprint of its bits (their sum and their sum of squares): the
+master then takes the edited value exactly, as with fp32 copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
+from lightning_mpt.core.masters._edits import bits_differ, copy_into_masters
+from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedMasters, chunkable
+
+__all__ = ["RemainderMasters", "fingerprint", "join", "split"]
+
+_EXPONENT = 0x7F80  # a bf16 pattern's exponent bits: all set for an infinity or a NaN
+
+
+def split(master: Tensor) -> tuple[Tensor, Tensor]:
+    """The bf16 weight (ties rounded away from zero) and the int16 remainder that :func:`join` makes ``master`` from.
+
+    Args:
+        master: an fp32 tensor.
+
+    Example:
+        ```python
+        tie = torch.tensor([1.0 + 2.0**-8])  # halfway between the bf16 values 1 and 1 + 2**-7
+        half, rem = split(tie)
+        assert half.item() == 1.0 + 2.0**-7 and tie.to(torch.bfloat16).item() == 1.0  # torch: to even
+        assert torch.equal(join(half, rem), tie)
+        ```
+    """
+    bits = master.view(torch.int32)
+    top = bits >> 16  # the truncated bf16 pattern, sign-extended
+    low = bits & 0xFFFF
+    high = low >= 0x8000
+    special = (top & _EXPONENT) == _EXPONENT  # an infinity or a NaN: never carried into another class
+    carry = high & ~special
+    half = (top + carry).to(torch.int16).view(torch.bfloat16)
+    rem = (low - carry.to(torch.int32) * 0x10000).masked_fill_(high & special, 0)  # a NaN's low payload is dropped
+    return half, rem.to(torch.int16)
+
+
+def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """The fp32 tensor that :func:`split` made ``half`` and ``rem`` from, bit for bit (into ``out`` if given).
+
+    Args:
+        half: bf16 weights.
+        rem: their int16 remainders.
+        out: an fp32 tensor of the same shape to write into.
+
+    Example:
+        ```python
+        master = torch.randn(1000)
+        assert torch.equal(join(*split(master)), master)
+        ```
+    """
+    r = rem.to(torch.int32)
+    bits = ((half.view(torch.int16).to(torch.int32) - (r < 0).to(torch.int32)) << 16) | (r & 0xFFFF)
+    if out is None:
+        return bits.view(torch.float32)
+    out.view(torch.int32).copy_(bits)
+    return out
+
+
+def fingerprint(half: Tensor) -> Tensor:
+    """The sum and the sum of squares of the bit patterns of ``half`` (int64, on its device): what changes when an
+    edit changes its values.
+
+    Example:
+        ```python
+        w = torch.randn(8).to(torch.bfloat16)
+        before = fingerprint(w)
+        w.clamp_(-0.5, 0.5)
+        assert not torch.equal(fingerprint(w), before)
+        ```
+    """
+    b = half.detach().view(torch.int16).to(torch.int32)
+    return torch.stack([b.sum(dtype=torch.int64), (b * b).sum(dtype=torch.int64)])
+
+
+class RemainderMasters(ChunkedMasters):
+    """Exact fp32 masters of a bf16 model held as 16-bit remainders beside the weights between steps.
+
+    Args:
+        keep_fp32: module types whose parameters stay fp32.
+        chunk: step torch's per-parameter optimizers about this many elements at a time (each chunk's masters are
+            woken for its step only); ``None``: one whole step, every master of the optimizer awake during it.
+
+    Example:
+        ```python
+        from torch import nn
+        from lightning_mpt.core.engine import MixedPrecisionEngine
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        engine = MixedPrecisionEngine(RemainderMasters(chunk=16))
+        engine.convert(model)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.scale_loss(model(torch.randn(3, 4)).float().sum()).backward()
+        engine.step(optimizer, engine.decide(optimizer))
+        engine.restore()
+        assert model[0].weight.dtype == torch.float32
+        ```
+    """
+
+    def __init__(self, keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32, chunk: Optional[int] = None) -> None:
+        super().__init__(torch.bfloat16, keep_fp32, DEFAULT_CHUNK if chunk is None else chunk)
+        self.chunked = chunk is not None
+        self.rems: dict[Tensor, Tensor] = {}  # parameter -> remainder, for each master asleep
+        self.prints: dict[Tensor, Tensor] = {}  # parameter -> fingerprint of its half weight when its master slept
+        self._found: dict[Tensor, Tensor] = {}  # parameter -> whether its weight was edited while asleep (0-dim)
+        self._reusable: set[int] = set()  # masters woken in our own storage, never handed out: freed in place
+
+    # ------------------------------------------------------------------ set-up
+    def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
+        super().convert(module, restored)
+        self.write_back(list(self.masters), list(self.masters.values()))
+        return module
+
+    def restore(self) -> None:
+        self.wake(list(self.masters))
+        super().restore()
+        self.rems.clear()
+        self.prints.clear()
+        self._found.clear()
+        self._reusable.clear()
+
+    def follow_devices(self) -> None:
+        for p in list(self.rems):
+            if self.rems[p].device != p.device:
+                self.rems[p], self.prints[p] = self.rems[p].to(p.device), self.prints[p].to(p.device)
+                self._replace(p)
+        super().follow_devices()
+
+    def broadcast(self, src: int = 0, refresh: bool = True) -> None:
+        self.wake(list(self.masters))
+        super().broadcast(src, refresh)
+        self.write_back(list(self.masters), list(self.masters.values()))
+
+    # ------------------------------------------------------------------ sleep and wake
+    def wake(self, params: list[Tensor]) -> None:
+        """Rebuild the fp32 masters of ``params`` that sleep; a weight edited meanwhile becomes its master exactly."""
+        asleep = [p for p in params if p in self.rems]
+        if not asleep:
+            return
+        self._check(asleep)
+        with torch.no_grad():
+            for p in asleep:
+                m = self.masters[p]
+                m.untyped_storage().resize_(m.numel() * m.element_size())
+                join(p, self.rems.pop(p), out=m)
+                del self.prints[p]
+                self._reusable.add(id(m))
+
+    def write_back(self, params: list[Tensor], masters: list[Tensor]) -> None:
+        """Put the masters of ``params`` to sleep: their half weights and remainders from them, their memory freed."""
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                if p in self.rems or self.masters.get(p) is not m:
+                    continue
+                half, self.rems[p] = split(m)
+                p.copy_(half)
+                self.prints[p] = fingerprint(half)
+                self._found.pop(p, None)
+                if id(m) in self._reusable:  # its gradient, if it keeps one, is a tensor of its own
+                    self._reusable.discard(id(m))
+                    m.untyped_storage().resize_(0)
+                else:  # someone may hold it (it came from the module or was handed out): it keeps its memory
+                    self._replace(p)
+
+    def _replace(self, p: Tensor) -> None:
+        """Give ``p`` a new sleeping master: an fp32 tensor of its shape whose storage is empty until woken."""
+        placeholder = torch.empty_like(p, dtype=torch.float32)
+        placeholder.untyped_storage().resize_(0)
+        self.masters[p] = placeholder
+        self.groups.invalidate()
+
+    def release(self, drop: bool) -> None:
+        """Before a forward: also put the masters woken since the step to sleep. A weight edited since (a clamp in
+        ``on_train_batch_end``) is taken into its master value by value first, on the device."""
+        super().release(drop)
+        awake = [p for p in self.masters if p not in self.rems]
+        with torch.no_grad():
+            for p in awake:
+                m = self.masters[p]
+                edited = torch.ne(p.detach().view(torch.int16), split(m)[0].view(torch.int16))
+                m.copy_(torch.where(edited, p.detach().float(), m))
+        self.write_back(awake, [self.masters[p] for p in awake])
+
+    def in_chunks(self, optimizer: Optimizer) -> bool:
+        return self.chunked and chunkable(optimizer)
+
+    # ------------------------------------------------------------------ the step
+    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
+        if not self.in_chunks(optimizer):  # the whole step reads every master
+            self.wake([p for p in params_of(optimizer) if p in self.masters])
+        return super().prepare(optimizer, scale, check_edits)
+
+    def edit_flags(self, params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) -> Tensor:
+        """Per weight of ``params``: edited since its master was last written (asleep: its fingerprint changed, and
+        the master has taken the edit already; awake: it differs from its master rounded as :func:`split` does)."""
+        self._check([p for p in params if p in self.rems])
+        false = torch.zeros((), dtype=torch.bool, device=params[0].device)
+        flags = []
+        for p, m in zip(params, masters):
+            if p in self.rems:
+                flags.append(self._found.get(p, false))
+            else:
+                flags.append(bits_differ(split(m.detach())[0], p))
+        return torch.stack(flags)
+
+    def _check(self, asleep: list[Tensor]) -> None:
+        """Compare the fingerprints of sleeping masters' weights with those they slept with (no host sync); an edited
+        weight's remainder is zeroed, so that its master wakes as the edited value."""
+        for p in asleep:
+            if p in self._found:
+                continue
+            now = fingerprint(p)
+            edited = torch.ne(now, self.prints[p]).any()
+            self.rems[p].masked_fill_(edited, 0)
+            self.prints[p] = now
+            self._found[p] = edited
+
+    def absorb_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
+        """The names of the weights edited since the last step, their masters made equal to them."""
+        return self._absorb(list(zip(grads.params, grads.masters)), flags)
+
+    def absorb_all_edits(self) -> list[str]:
+        pairs = list(self.masters.items())
+        if not pairs:
+            return []
+        flags = self.edit_flags([p for p, _ in pairs], [m for _, m in pairs], []).any().reshape(1).tolist()
+        return self._absorb(pairs, flags)
+
+    def _absorb(self, pairs: list[tuple[Tensor, Tensor]], flags: list[float]) -> list[str]:
+        if not any(flags):
+            return []
+        names = [self.name_of(p) for p, edited in self._found.items() if bool(edited)]
+        for p in self._found:  # reported once; the entry stays: the weight was checked since its master slept
+            self._found[p] = torch.zeros((), dtype=torch.bool, device=p.device)
+        awake = [(p, m) for p, m in pairs if p not in self.rems and bool(bits_differ(split(m.detach())[0], p))]
+        copy_into_masters(awake)
+        return names + [self.name_of(p) for p, _ in awake]
+
+    # ------------------------------------------------------------------ reading and writing the masters
+    def master_of(self, param: Tensor) -> Tensor:
+        """The fp32 master of ``param``, awake until the next forward (later steps may store it elsewhere)."""
+        if param not in self.masters:
+            return param
+        self.wake([param])
+        m = self.masters[param]
+        self._reusable.discard(id(m))
+        return m
+
+    def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
+        for p in list(self.masters):
+            yield self.name_of(p), p, self.master_of(p)
+
+    def storage_of(self, param: Tensor) -> Optional[Tensor]:
+        """The remainder of a sleeping master, else the awake master (``None`` when ``param`` has none)."""
+        return self.rems.get(param, self.masters.get(param))
+
+    def saved_master(self, param: Tensor) -> Optional[Tensor]:
+        rem = self.rems.get(param)
+        if rem is not None:
+            return join(param.detach(), rem)
+        return None if param not in self.masters else self.master_of(param)
+
+    def load_master(self, param: Tensor, value: Tensor) -> Optional[Tensor]:
+        master = value.detach().to(param.device, torch.float32)
+        half, rem = split(master)
+        if param in self.rems:
+            self.rems[param], self.prints[param] = rem, fingerprint(half)
+            self._found.pop(param, None)
+        else:
+            self.masters[param].copy_(master)
+        return half
+
+    def refresh(self) -> None:
+        awake = [p for p in self.masters if p not in self.rems]
+        self.write_halves(awake, [self.masters[p] for p in awake])
+
+    def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                if p not in self.rems:
+                    p.copy_(split(m)[0])
