@@ -1,0 +1,179 @@
+"""``MPTPrecision(master_remainders=True)``: bf16 masters stored as 16-bit remainders beside the weights.
+
+The fuzz test (``tests/test_fuzz.py``) checks the masters against an independent fp32 replay with remainders in its
+space; these tests check the rounding, the memory, edits of the weights while the masters sleep, checkpoints, and the
+chunked step against the whole one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from models import quiet_trainer, regression_data
+from torch import nn
+
+from lightning_mpt import MPTPrecision
+from lightning_mpt.core.masters.remainders import fingerprint, join, split
+
+
+def test_split_and_join_are_exact_and_round_ties_away_from_zero():
+    # every 4099th 32-bit pattern (about a million, every exponent), and ties of both signs
+    patterns = torch.arange(-(2**31), 2**31, 4099, dtype=torch.int64).to(torch.int32)
+    values = patterns.view(torch.float32)
+    half, rem = split(values)
+    assert rem.dtype == torch.int16 and half.dtype == torch.bfloat16
+    finite = torch.isfinite(values)
+    assert torch.equal(join(half, rem).view(torch.int32)[finite], patterns[finite])  # bit for bit
+    assert not torch.isfinite(join(half, rem)[~finite]).any()  # a NaN or an infinity stays non-finite
+    ties = (patterns & ~0xFFFF) | 0x8000
+    tie_values = ties.view(torch.float32)
+    tie_half, tie_rem = split(tie_values)
+    finite = torch.isfinite(tie_values)
+    assert torch.equal(join(tie_half, tie_rem).view(torch.int32)[finite], ties[finite])
+    # hand-computed: 1 + 2**-8 lies halfway between the bf16 values 1 and 1 + 2**-7; torch rounds it to even (1),
+    # the remainders away from zero, and its negative likewise
+    # (1 + 2**-7 + 2**-8 lies between an odd and an even neighbour: both round it up, to the even one)
+    tie = torch.tensor([1.0 + 2.0**-8, -(1.0 + 2.0**-8), 1.0 + 2.0**-7 + 2.0**-8])
+    assert split(tie)[0].float().tolist() == [1.0 + 2.0**-7, -(1.0 + 2.0**-7), 1.0 + 2.0**-6]
+    assert tie.to(torch.bfloat16).float().tolist() == [1.0, -1.0, 1.0 + 2.0**-6]
+    # anywhere but on a tie, the same rounding as torch's cast
+    differs = split(values)[0].view(torch.int16) != values.to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(differs & finite, (patterns & 0xFFFF == 0x8000) & differs & finite)
+
+
+def test_a_fingerprint_changes_with_an_edit():
+    w = torch.randn(64).to(torch.bfloat16)
+    before = fingerprint(w)
+    w[3] = -w[3]
+    assert not torch.equal(fingerprint(w), before)
+
+
+class Net(L.LightningModule):
+    def __init__(self, hook: Any = None, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 1)
+        self.hook, self.optimizer, self.seen = hook, optimizer, []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.hook is not None:
+            self.hook(self, "train")  # after the plugin released the last step (its masters asleep again)
+        x, y = batch
+        return nn.functional.mse_loss(self.b(torch.relu(self.norm(self.a(x)))).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "lbfgs-like":  # not chunkable: the whole step wakes every master
+            return torch.optim.Adam(self.parameters(), lr=1e-2, amsgrad=True, foreach=False)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.hook is not None:
+            self.hook(self, "start")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.hook is not None:
+            self.hook(self, "step")
+
+
+def fit(model: Net, steps: int = 6, **plugin: Any) -> L.Trainer:
+    trainer = quiet_trainer(max_steps=steps, plugins=[MPTPrecision("bf16", master_remainders=True, **plugin)])
+    trainer.fit(model, regression_data(n=8 * steps, d_in=8, d_out=1, batch_size=8))
+    return trainer
+
+
+def test_between_steps_the_masters_are_two_byte_remainders():
+    held = []
+
+    def look(model: Net, when: str) -> None:
+        if when == "start":
+            optimizer = model.trainer.optimizers[0]
+            held.append([(t.dtype, t.numel()) for t in model.trainer.precision_plugin.master_storage(optimizer)])
+
+    fit(Net(look), chunked_step=64)
+    converted = [(torch.int16, n) for n in (8 * 32, 32, 32, 1)]  # the LayerNorm's parameters are their own masters
+    assert held == [converted] * 6
+
+
+@pytest.mark.parametrize("chunked", [64, False])
+def test_a_weight_edited_while_its_master_sleeps_becomes_its_master_exactly(chunked):
+    """A WGAN-style ``p.data.clamp_`` (invisible to autograd's version counter) and a zeroed bias: the master takes the
+    edited value, as an fp32 copy would (not the edit plus the old low bits, which for a zero could be a NaN)."""
+    checks = []
+
+    def edit(model: Net, when: str) -> None:
+        if when == "start":
+            model.a.weight.data.clamp_(-0.05, 0.05)
+            model.b.bias.data.zero_()
+        else:
+            plugin = model.trainer.precision_plugin
+            for p in (model.a.weight, model.b.bias):
+                checks.append(torch.equal(plugin.master_of(p), p.detach().float()))
+
+    fit(Net(edit, "lbfgs-like" if not chunked else "adamw"), chunked_step=chunked)
+    assert checks and all(checks)
+
+
+def test_a_weight_edited_after_its_master_was_woken_keeps_the_unedited_values_exact():
+    """After the step a diagnostic wakes the masters; an edit then (a clamp in ``on_train_batch_end``) is taken value by
+    value before they sleep: clamped values become their masters, the others keep their low bits."""
+    masters = []
+
+    class EditAfterStep(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, model: L.LightningModule, *args: Any) -> None:
+            master = trainer.precision_plugin.master_of(model.a.weight)
+            model.a.weight.data.clamp_(-0.05, 0.05)
+            masters.append((master.clone(), model.a.weight.detach().clone()))
+
+    def look(model: Net, when: str) -> None:
+        if when == "train" and masters:
+            master, edited = masters[-1]
+            now = model.trainer.precision_plugin.master_of(model.a.weight)
+            clamped = edited.float() != split(master)[0].float()
+            assert clamped.any()
+            assert torch.equal(now[clamped], edited.float()[clamped])
+            assert torch.equal(now[~clamped], master[~clamped])
+
+    trainer = quiet_trainer(
+        max_steps=4, plugins=[MPTPrecision("bf16", master_remainders=True)], callbacks=[EditAfterStep()]
+    )
+    trainer.fit(Net(look), regression_data(n=32, d_in=8, d_out=1, batch_size=8))
+    assert len(masters) == 4
+
+
+def test_the_chunked_step_equals_the_whole_step_bitwise():
+    """Both round the half weights alike (ties away from zero), so both runs see the same forward; AdamW updates
+    each parameter from its own tensors, so the chunks change no operation (see tests/test_chunked_step.py)."""
+    results = []
+    for chunked in (32, False):
+        torch.manual_seed(0)
+        model = Net()
+        fit(model, chunked_step=chunked)
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_checkpoint_holds_the_exact_fp32_masters(tmp_path):
+    seen = {}
+
+    def look(model: Net, when: str) -> None:
+        if when == "step":
+            seen["master"] = model.trainer.precision_plugin.master_of(model.a.weight).clone()
+
+    model = Net(look)
+    trainer = fit(model, steps=3, chunked_step=64)
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=True)["state_dict"]
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert torch.equal(model.a.weight, state["a.weight"])  # restored to fp32 after fit: the masters
+
+
+def test_the_plugin_refuses_what_remainders_cannot_do():
+    with pytest.raises(ValueError, match="needs precision='bf16'"):
+        MPTPrecision("fp16", master_remainders=True)
+    with pytest.raises(ValueError, match="needs master_weights=True"):
+        MPTPrecision("bf16", master_weights=False, master_remainders=True)
+    with pytest.raises(TypeError, match="expected a bool"):
+        MPTPrecision("bf16", master_remainders=1)  # type: ignore[arg-type]
