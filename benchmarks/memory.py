@@ -114,9 +114,14 @@ MODES: list[Mode] = [
     Mode("mpt-bf16 + torchao AdamW8bit", _mpt(precision="bf16"), "torchao AdamW8bit"),
     Mode("mpt-bf16 + torchao AdamW4bit", _mpt(precision="bf16"), "torchao AdamW4bit"),
     Mode(
-        "mpt-bf16 master_remainders + torchao AdamW8bit",
-        _mpt(precision="bf16", master_remainders=True),
+        "mpt-bf16 master_remainders chunked_step=2**18 + torchao AdamW8bit",
+        _mpt(precision="bf16", master_remainders=True, chunked_step=2**18),
         "torchao AdamW8bit",
+    ),
+    Mode(
+        "mpt-bf16 master_remainders chunked_step=2**18 + torchao AdamW4bit",
+        _mpt(precision="bf16", master_remainders=True, chunked_step=2**18),
+        "torchao AdamW4bit",
     ),
     Mode("mpt-bf16 + bnb AdamW8bit", _mpt(precision="bf16"), "bnb AdamW8bit"),
     Mode("mpt-bf16 + optimi AdamW", _mpt(precision="bf16"), "optimi AdamW"),

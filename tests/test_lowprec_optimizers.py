@@ -287,3 +287,31 @@ def test_torchao_state_resumes_through_lightnings_default_checkpoint_io(tmp_path
     case = Case(torchao_adamw(8), torchao_state, compiled=True)
     fit(case, "bf16", tmp_path / "straight", replay=False)
     fit(case, "bf16", tmp_path / "resumed", tmp_path / "straight" / "epoch=0.ckpt", replay=False)
+
+
+def test_torchao_low_bit_adam_steps_in_chunks_as_one_whole_step() -> None:
+    """torchao's AdamW8bit updates each parameter from that parameter's own state and its group's hyper-parameters,
+    so stepping a chunk at a time (the masters stored as 16-bit remainders: 8 bytes per parameter at the step) changes
+    no operation: the weights and the 8-bit state equal the whole step's, bitwise. Both runs round the half weights
+    alike (ties away from zero), so their forwards are the same too."""
+    optional("torchao.optim")
+    runs = []
+    for chunk in (2 * WIDTH * WIDTH, False):  # a chunk holds one weight: four optimizer.step() calls per step
+        torch.manual_seed(0)
+        model = Net(torchao_adamw(8))
+        calls = []
+        trainer = quiet_trainer(
+            max_epochs=1, plugins=[MPTPrecision("bf16", master_remainders=True, chunked_step=chunk)]
+        )
+        model.on_train_start = lambda: trainer.optimizers[0].register_step_post_hook(lambda *_: calls.append(1))
+        with torch.compiler.set_stance("force_eager"):
+            trainer.fit(model, data())
+        runs.append((model, final_state(trainer, model), len(calls)))
+    (chunked, chunked_state, chunked_calls), (whole, whole_state, whole_calls) = runs
+    assert whole_calls == BATCHES
+    assert chunked_calls > BATCHES
+    for (name, a), b in zip(chunked.named_parameters(), whole.parameters()):
+        assert torch.equal(a, b), name
+    for name in whole_state:
+        assert_state_equal(chunked_state[name], whole_state[name], name)
+    torchao_state(trainer.optimizers[0], chunked.net[0].weight, chunked_state["net.0.weight"])

@@ -24,7 +24,8 @@ def test_split_and_join_are_exact_and_round_ties_away_from_zero():
     patterns = torch.arange(-(2**31), 2**31, 4099, dtype=torch.int64).to(torch.int32)
     values = patterns.view(torch.float32)
     half, rem = split(values)
-    assert rem.dtype == torch.int16 and half.dtype == torch.bfloat16
+    assert rem.dtype == torch.int16
+    assert half.dtype == torch.bfloat16
     finite = torch.isfinite(values)
     assert torch.equal(join(half, rem).view(torch.int32)[finite], patterns[finite])  # bit for bit
     assert not torch.isfinite(join(half, rem)[~finite]).any()  # a NaN or an infinity stays non-finite
@@ -112,7 +113,8 @@ def test_a_weight_edited_while_its_master_sleeps_becomes_its_master_exactly(chun
                 checks.append(torch.equal(plugin.master_of(p), p.detach().float()))
 
     fit(Net(edit, "lbfgs-like" if not chunked else "adamw"), chunked_step=chunked)
-    assert checks and all(checks)
+    assert checks
+    assert all(checks)
 
 
 def test_a_weight_edited_after_its_master_was_woken_keeps_the_unedited_values_exact():

@@ -9,8 +9,9 @@ again (bitwise the first pass's values), clipped with the global coefficient, ha
 chunk's masters in its ``param_groups``, and freed once the half weights are refreshed.
 
 The chunks give the same masters as one whole step only for optimizers whose update of a parameter reads nothing but
-that parameter, its gradient and its own state: torch's built-in ones (:data:`CHUNKABLE`). Any other optimizer (LBFGS,
-a user's optimizer, an 8-bit one) gets the whole step of :class:`CopyMasters`.
+that parameter, its gradient and its own state: torch's built-in ones (:data:`CHUNKABLE`) and torchao's low-bit Adam
+family (:data:`TORCHAO_CHUNKABLE`). Any other optimizer (LBFGS, a user's optimizer, bitsandbytes', whose per-parameter
+overrides are looked up by the parameter's index in its group) gets the whole step of :class:`CopyMasters`.
 
 Between the backward and the step the module's parameters hold their half gradients as the backward left them:
 scaled by the loss scale (fp16). Hooks that read ``p.grad`` there see those; clipping through the plugin uses the
@@ -32,7 +33,7 @@ from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
 from lightning_mpt.core.masters._flow import _chunks, _unscale_
 from lightning_mpt.core.masters.copies import CopyMasters
 
-__all__ = ["CHUNKABLE", "DEFAULT_CHUNK", "ChunkedGrads", "ChunkedMasters", "chunkable"]
+__all__ = ["CHUNKABLE", "DEFAULT_CHUNK", "TORCHAO_CHUNKABLE", "ChunkedGrads", "ChunkedMasters", "chunkable"]
 
 #: elements per chunk by default: 64 MiB of fp32 gradients at a time
 DEFAULT_CHUNK = 2**24
@@ -55,6 +56,11 @@ CHUNKABLE: tuple[type[Optimizer], ...] = (
 )
 
 
+#: torchao's low-bit Adam family (``torchao.optim``): each parameter is stepped alone, from its own state and its
+#: group's hyper-parameters (exact classes, by name: torchao is optional and imported only by its users)
+TORCHAO_CHUNKABLE = frozenset(("Adam8bit", "Adam4bit", "AdamFp8", "AdamW8bit", "AdamW4bit", "AdamWFp8", "_AdamW"))
+
+
 def chunkable(optimizer: Optimizer) -> bool:
     """Whether ``optimizer`` can step its parameters a chunk at a time with the result of one whole step.
 
@@ -64,7 +70,8 @@ def chunkable(optimizer: Optimizer) -> bool:
         assert chunkable(torch.optim.AdamW([w])) and not chunkable(torch.optim.LBFGS([w]))
         ```
     """
-    return type(optimizer) in CHUNKABLE
+    cls = type(optimizer)
+    return cls in CHUNKABLE or (cls.__module__ == "torchao.optim.adam" and cls.__name__ in TORCHAO_CHUNKABLE)
 
 
 @dataclass
