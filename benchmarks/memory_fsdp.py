@@ -26,6 +26,9 @@ accumulates its gradient (before FSDP's post-backward reduce-scatters and frees 
 all-gather and reduce-scatter buffers, activations. **The step's peak** is ``memory.StepPeak``: the state at the end
 of the backward plus the CPU allocator's events replayed to the end of the optimizer step (temporaries included).
 
+A mode the plugin refuses under FSDP2 (``master_weights=False``: the fp32 shards are the masters) raises its
+``ValueError`` on every rank when the plugin converts the sharded model; the table shows the message.
+
 ZeRO-3's ideal is 16/N bytes per parameter per rank with AdamW (4 fp32 weights + 4 fp32 grads + 8 moments, all
 sharded); the table gives each row's ratio to it and to ``"bf16-mixed"`` of the same run.
 """
@@ -185,24 +188,6 @@ def measure(name: str, config: Any, steps: int, devices: int) -> dict[str, Any]:
     return {**live.result, "step_peak": peak.result["peak"], "step_start": peak.result["start"]}
 
 
-def refusal(name: str, devices: int) -> Optional[str]:
-    """Why ``MPTPrecision`` refuses ``name`` under FSDP2, or ``None``: the plugin's own check when it converts a
-    ``fully_shard``-ed module. (Raised inside ``fit`` instead, the error makes Lightning kill the other ranks.)"""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    precision = MODES[name]()
-    if not isinstance(precision, MPTPrecision):
-        return None
-    mesh = init_device_mesh("cpu", (devices,))
-    module = fully_shard(nn.Linear(4, 4), mesh=mesh, mp_policy=precision.mp_policy)  # as ShardedLM shards
-    try:
-        precision.convert_module(module)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
 def per_param(counts: dict[str, int], n: int) -> list[float]:
     return [counts[k] / n for k in KINDS]
 
@@ -262,15 +247,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = dataclasses.replace(memory.FAST if args.fast else GPT_SIZES[args.size], batch=args.batch)
-    if all(isinstance(MODES[m](), MPTPrecision) and not MODES[m]().master_weights for m in args.modes):
-        p.error("add a mode that runs: the check of a refused mode needs the processes that a first fit starts")
     results, refused = {}, {}
-    for name in sorted(args.modes, key=lambda m: m.endswith("master_weights=False")):  # refusals after a fit
-        why = refusal(name, args.devices) if dist.is_initialized() else None
-        if why is not None:
-            refused[name] = why
-        else:
+    for name in args.modes:
+        try:
             results[name] = measure(name, config, args.steps, args.devices)
+        except ValueError as err:  # the plugin refuses it when it converts the sharded model, on every rank
+            refused[name] = str(err)
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, results)
     out = {"ranks": ranks, "refused": refused, "config": dataclasses.asdict(config), "devices": args.devices}
