@@ -17,6 +17,7 @@ Scenarios:
   crossload   full FSDP2 checkpoint -> DDP model, DDP checkpoint -> FSDP2 model (Lightning's GPU tests, on CPU).
   init        a model created on the meta device, materialized and sharded; the sharded state dict's keys.
   unsharded   a configure_model that shards nothing: the plugin's error, on both ranks.
+  memory      benchmarks/memory_fsdp.py --fast in these processes: per-rank bytes per parameter, to OUT/memory.json.
 """
 
 from __future__ import annotations
@@ -515,6 +516,16 @@ def unsharded(out: Path) -> None:
         write(out / "unsharded-error", torch.distributed.get_rank(), {"error": str(err)})
 
 
+def memory_bytes(out: Path) -> None:
+    """The memory benchmark's fast run, in the processes this launch has started already (their start-up is most of
+    a launch's time)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import memory_fsdp
+
+    modes = ["bf16-mixed", "mpt-bf16", "mpt-bf16 master_weights=False"]
+    memory_fsdp.main(["--fast", "--modes", *modes, "--json", str(out / "memory.json")])
+
+
 SCENARIOS = {
     "compare": compare,
     "inject": inject,
@@ -524,6 +535,7 @@ SCENARIOS = {
     "crossload": crossload,
     "init": init,
     "unsharded": unsharded,
+    "memory": memory_bytes,
 }
 
 

@@ -51,7 +51,7 @@ def worker(out: Path, *scenarios: str) -> Path:
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return worker(tmp_path_factory.mktemp("fsdp-train"), "compare", "inject", "guard", "clip")
+    return worker(tmp_path_factory.mktemp("fsdp-train"), "compare", "inject", "guard", "clip", "memory")
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +305,77 @@ def test_memory_breakdown_fsdp_per_rank(tmp_path):
             assert r["reduce_scatter"] * 2 == fp32["reduce_scatter"]
             assert r["reduce_scatter"] == 2 * r["params"]  # every rank sends its whole half gradient
             assert r["all_reduce"] <= 64  # the step decision: a couple of flags
+
+
+# benchmarks/memory_fsdp.py --fast, run by the training launch ("memory"): per-rank bytes per parameter
+MEMORY_REFUSED = "mpt-bf16 master_weights=False"
+
+
+def shard_slack() -> tuple[int, int]:
+    """(elements of one dim-0 row summed over the benchmark model's parameter tensors, how many tensors): FSDP2 cuts
+    each parameter by rows, so on 2 ranks a rank's share of a parameter is within one row of numel/2."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import memory
+
+    params = list(memory.LM(memory.FAST, "AdamW", steps=2).parameters())  # tied weights once, as FSDP2 sees them
+    return sum(p[0].numel() if p.ndim > 1 else 1 for p in params), len(params)
+
+
+def assert_masters_and_state_sharded(masters: int, state: int, n: int, world: int) -> None:
+    """One rank's fp32 masters (4 bytes per parameter) and AdamW state (two fp32 moments, 8, and a 4-byte step per
+    tensor): 12/N bytes per parameter, within a row per parameter of FSDP2's cut."""
+    rows, tensors = shard_slack()
+    assert masters == pytest.approx(4 * n / world, abs=4 * rows)
+    assert state - 4 * tensors == pytest.approx(8 * n / world, abs=8 * rows)
+    assert (masters + state) / n == pytest.approx(12 / world, abs=0.05)
+
+
+def test_memory_fsdp_masters_and_adamw_state_are_12_over_n_per_rank(training):
+    measured = json.loads((training / "memory.json").read_text())
+    ranks = [r["mpt-bf16"] for r in measured["ranks"]]
+    assert len(ranks) == measured["devices"] == 2
+    n = ranks[0]["params"]
+    for r in ranks:
+        at = r["at_step"]
+        assert at["masters"] == 0  # the fp32 shards are the masters: no second fp32 copy
+        assert_masters_and_state_sharded(at["sharded_weights"] + at["masters"], at["optimizer_state"], n, 2)
+        assert at["sharded_grads"] == pytest.approx(4 * n / 2, abs=4 * shard_slack()[0])
+        assert at["unsharded_weights"] == at["unsharded_grads"] == 0  # the half compute copy is freed by the step
+    # the shards partition the model: over the ranks, one fp32 value, gradient and pair of moments per parameter
+    assert sum(r["at_step"]["sharded_weights"] for r in ranks) == 4 * n
+    assert sum(r["at_step"]["sharded_grads"] for r in ranks) == 4 * n
+    assert sum(r["at_step"]["optimizer_state"] for r in ranks) == 8 * n + 4 * shard_slack()[1] * 2
+
+
+def test_memory_fsdp_check_fails_on_replicated_masters():
+    """The same check on a real run whose masters are whole on the process (one device, as on every DDP rank)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import memory
+
+    torch.set_num_threads(1)
+    mode = next(m for m in memory.MODES if m.name == "mpt-bf16")
+    whole = memory.measure(mode, memory.FAST, steps=2, accelerator="cpu", compile_steps=False)
+    with pytest.raises(AssertionError):
+        assert_masters_and_state_sharded(whole["masters"], whole["optimizer_state"], whole["params"], 2)
+    assert_masters_and_state_sharded(whole["masters"], whole["optimizer_state"], whole["params"], 1)
+
+
+def test_memory_fsdp_peak_holds_a_half_copy_as_lightning_bf16_mixed(training):
+    measured = json.loads((training / "memory.json").read_text())
+    for r in measured["ranks"]:
+        mpt, ref = r["mpt-bf16"], r["bf16-mixed"]
+        assert mpt["at_step"] == ref["at_step"]  # the same bytes of each kind as Lightning's "bf16-mixed" ...
+        assert mpt["peak"] == ref["peak"]  # ... at the step and at the peak
+        peak = mpt["peak"]
+        # at the peak a block and the root are all-gathered in bf16: at most 2 bytes per parameter of the model
+        assert 0 < peak["unsharded_weights"] <= 2 * mpt["params"]
+        assert sum(peak.values()) >= sum(mpt["at_step"].values())
+        assert mpt["step_peak"] >= mpt["step_start"] > 0  # the optimizer step's allocator peak
+    log = (training / "log.txt").read_text()
+    assert "| mpt-bf16 | 0 | 2.00 | 0.00 | 0.00 | 2.00 | 0.00 | 4.00 | 8.00 |" in log  # the printed table
+    assert "master_weights=False" in measured["refused"][MEMORY_REFUSED]
+    assert all(MEMORY_REFUSED not in r for r in measured["ranks"])
+    assert f"| {MEMORY_REFUSED} | all | refused: " in log
 
 
 def test_fsdp_transformer_example(tmp_path):
