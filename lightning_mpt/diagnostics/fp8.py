@@ -135,12 +135,13 @@ class Float8Statistics:
             if (index, 0) in self._values or not self.stat.enabled or not args or not isinstance(args[0], Tensor):
                 return
             with self.stat.guarded(), torch.no_grad():
-                config = layer.config
+                config: Any = layer.config
+                weight: Any = layer.weight
                 x = args[0]
                 if torch.is_autocast_enabled() and x.is_cuda:  # what Float8Linear.forward does first
                     x = x.to(torch.get_autocast_dtype("cuda"))
                 self._measure(index, 0, x, config.cast_config_input, config)
-                self._measure(index, 1, layer.weight, config.cast_config_weight, config)
+                self._measure(index, 1, weight, config.cast_config_weight, config)
                 if isinstance(output, Tensor) and output.requires_grad:
                     output.register_hook(self._grad_hook(index, config, self._step))
 
