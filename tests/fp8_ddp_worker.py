@@ -1,5 +1,5 @@
 """A 2-process CPU (gloo) fp8 training run for tests/test_fp8.py; each rank writes ``OUT/rank<r>.json``: the fp8
-layers, the dtypes of the weights during training, and a SHA-1 of its fp32 masters after each step.
+layers, the dtypes of the weights during training, and a SHA-256 of its fp32 masters after each step.
 
 usage: python fp8_ddp_worker.py OUT
 """
@@ -27,7 +27,7 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         plugin = trainer.precision_plugin
-        digest = hashlib.sha1()
+        digest = hashlib.sha256()
         for name, _, master in plugin.named_masters():
             digest.update(name.encode() + master.detach().cpu().numpy().tobytes())
         self.hashes.append(digest.hexdigest())

@@ -48,7 +48,8 @@ def test_cast_counts_against_hand_computed_values():
     # a scale moves the same values: times 2**-4, 2**-6 becomes 2**-10 (flushed) and 1 becomes 2**-4 (normal)
     assert cast_counts(torch.tensor([1.0, 2**-6]), E4M3, torch.tensor(2.0**-4)).tolist() == [0, 1, 0, 2, 2]
     # e5m2: max 57344, next 61440 would be 65536; min subnormal 2**-16
-    assert saturation_bound(E4M3) == 464.0 and saturation_bound(E5M2) == 61440.0
+    assert saturation_bound(E4M3) == 464.0
+    assert saturation_bound(E5M2) == 61440.0
     y = torch.tensor([61440.0, 61000.0, 2**-17, 2**-16, 2**-15])
     assert cast_counts(y, E5M2, torch.tensor(1.0)).tolist() == [1, 1, 2, 5, 5]
 
@@ -70,7 +71,8 @@ def test_scale_and_fractions_match_torchao_cast():
     # rowwise: one scale per row, reported as the smallest; the outlier's row alone flushes
     config = float8.Float8LinearConfig.from_recipe_name("rowwise").cast_config_input
     values = role_values(x, config, power_of_2=True).tolist()
-    assert values[0] == pytest.approx(1e3, rel=1e-2) and values[1] == 0.25  # 448/1000 floored to a power of 2
+    assert values[0] == pytest.approx(1e3, rel=1e-2)
+    assert values[1] == 0.25
     assert 0 < values[3] < 32  # at most the outlier row's other 31 values
 
 
@@ -88,14 +90,17 @@ def test_conversion_before_masters_filter_and_checkpoint_keys(tmp_path):
 
     trainer = quiet_trainer(plugins=[plugin], max_steps=2, callbacks=[Look()])
     trainer.fit(model, regression_data(d_in=16, d_out=4))
-    assert seen["types"]["0"] == "Float8Linear" and seen["types"]["3"] == "Linear"
-    assert seen["dtype"] == torch.bfloat16 and seen["master"].dtype == torch.float32
+    assert seen["types"]["0"] == "Float8Linear"
+    assert seen["types"]["3"] == "Linear"
+    assert seen["dtype"] == torch.bfloat16
+    assert seen["master"].dtype == torch.float32
     assert not torch.equal(seen["master"], seen["master"].bfloat16().float())  # stepped in fp32, not a bf16 value
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=True)["state_dict"]
     assert list(state) == list(TinyMLP(d_in=16, hidden=32, d_out=4).state_dict())  # the original keys
-    assert state["net.0.weight"].dtype == torch.float32 and torch.equal(state["net.0.weight"], seen["master"])
+    assert state["net.0.weight"].dtype == torch.float32
+    assert torch.equal(state["net.0.weight"], seen["master"])
 
     kept = fp8(fp8_filter=lambda module, fqn: fqn != "net.0")
     model = TinyMLP(d_in=16, hidden=32, d_out=16)
@@ -182,7 +187,8 @@ def test_resume_is_bitwise(tmp_path):
     resumed = run(6, ckpt=tmp_path / "step=3.ckpt")
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
-    assert whole.losses[3:] == resumed.losses and len(resumed.losses) == 3
+    assert whole.losses[3:] == resumed.losses
+    assert len(resumed.losses) == 3
 
 
 # ------------------------------------------------------------------------------------------ diagnostics, report
@@ -204,7 +210,8 @@ def test_an_outlier_layer_is_named_in_tags_report_and_advice(tmp_path, capsys):
     assert (rows[0].layer, rows[0].role) == ("blocks.0.fc1", "input")
     advice = [a for a in report.runs[0].advice if a.rule == "fp8_keep_bf16"]
     named = advice[0].numbers["layers"]
-    assert "blocks.0.fc1" in named and not {"blocks.0.qkv", "blocks.0.proj", "head"} & set(named)
+    assert "blocks.0.fc1" in named
+    assert not {"blocks.0.qkv", "blocks.0.proj", "head"} & set(named)
     assert "fp8_filter=lambda module, fqn: fqn not in {'blocks.0.fc1'" in advice[0].text
     assert "blocks.0.fc1/input" in format_text(report)
 
@@ -240,6 +247,7 @@ def test_ddp_two_processes(tmp_path):
     rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["layers"] == rank1["layers"] == ["net.0", "net.3"]
     assert rank0["dtypes"]["net.0.weight"] == "torch.bfloat16"
-    assert rank0["hashes"] == rank1["hashes"] and len(set(rank0["hashes"])) == 3  # equal masters, and they moved
+    assert rank0["hashes"] == rank1["hashes"]
+    assert len(set(rank0["hashes"])) == 3
     scalars = all_scalars(out / "tb" / "run")
     assert [s for s, _ in scalars["mpt/fp8/scale/net.0/input"]] == [0, 1, 2]
