@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_mpt.core.config import LIGHTNING_NAMES, check_arguments
 from lightning_mpt.core.engine import MixedPrecisionEngine
+from lightning_mpt.core.fp8 import Float8Setup, check_fp8, check_fp8_device, convert_fp8
 from lightning_mpt.core.masters import Masters, params_of
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
@@ -57,6 +58,7 @@ class MixedPrecisionPlugin:
     max_consecutive_skips: int
     accumulate_fp32: bool
     skipped_steps_advance_schedulers: bool
+    _fp8: Optional[Float8Setup] = None
     #: how user code reaches the plugin, for messages
     _access: str = "the precision plugin"
 
@@ -69,6 +71,9 @@ class MixedPrecisionPlugin:
         max_consecutive_skips: Any,
         accumulate_fp32: Any,
         skipped_steps_advance_schedulers: Any = True,
+        fp8: Any = None,
+        fp8_filter: Any = None,
+        fp8_emulate: Any = False,
     ) -> None:
         """The plugins' ``__init__``: check the arguments (a clear error for each), keep them, build the engine."""
         if not isinstance(skipped_steps_advance_schedulers, bool):
@@ -80,6 +85,7 @@ class MixedPrecisionPlugin:
         dtype, checked_scaler, kept = check_arguments(
             precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
         )
+        self._fp8 = check_fp8(fp8, fp8_filter, precision, fp8_emulate)
         self.precision = LIGHTNING_NAMES[precision]
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set from the module
         self.master_weights = master_weights
@@ -95,8 +101,23 @@ class MixedPrecisionPlugin:
         )
         self._engine.log.gate = ScheduleGate(enabled=not skipped_steps_advance_schedulers)
 
+    @property
+    def fp8_config(self) -> Any:
+        """torchao's ``Float8LinearConfig`` the plugin converts ``Linear`` layers with, ``None`` without fp8."""
+        return None if self._fp8 is None else self._fp8.config
+
+    def _convert_fp8(self, module: Module) -> Module:
+        """Swap eligible ``Linear`` layers for torchao's ``Float8Linear`` (with ``fp8=``), before the masters are
+        taken: their weights become half weights with fp32 masters like any other."""
+        return convert_fp8(module, self._fp8)
+
+    def _check_fp8_device(self, device: torch.device) -> None:
+        check_fp8_device(self._fp8, device)
+
     def _sharded_masters(self, loop: Loop) -> Masters:
         """FSDP2's own fp32 shards as the masters, or a clear error where they cannot be."""
+        if self._fp8 is not None:
+            raise ValueError(FP8_UNDER_FSDP2)
         check_sharded(self.master_weights, "sharded=True, " if loop == "fabric" else "")
         from lightning_mpt.core.masters.sharded import ShardedMasters
 
@@ -285,6 +306,13 @@ class MixedPrecisionPlugin:
     def __repr__(self) -> str:
         name = "fp16" if self._dtype == torch.float16 else "bf16"
         return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
+
+
+FP8_UNDER_FSDP2 = (
+    "MPTPrecision(fp8=...) is not supported under FSDP2 (ModelParallelStrategy) yet: the Linear layers must become "
+    "torchao's Float8Linear before fully_shard, and the plugin converts after it. Use fp8 on one device or with DDP, "
+    "or MPTPrecision('bf16') under FSDP2 (docs/fp8.md)."
+)
 
 
 def unwrap(optimizer: Any) -> Any:

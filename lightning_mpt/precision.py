@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -73,6 +73,14 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             counts for the LR schedulers. ``False`` (Megatron-LM's and DeepSpeed's): a scheduler's ``step()`` does
             nothing when every step of its optimizer since its last ``step()`` was skipped, so that warm-up and decay
             follow the updates actually applied (docs/scaler.md).
+        fp8: run eligible ``Linear`` layers' matmuls in fp8 with torchao's float8 training (``bf16`` only; needs
+            ``pip install lightning-mpt[fp8]``): ``True`` (torchao's default, tensorwise scaling), a recipe name
+            (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a ``torchao.float8.Float8LinearConfig``.
+            Layers whose dimensions are not multiples of 16 stay bf16. See docs/fp8.md.
+        fp8_filter: ``fn(module, fqn) -> bool``: convert only the eligible layers it accepts (e.g. keep a layer that
+            saturates in bf16: ``lambda module, fqn: fqn != "head"``).
+        fp8_emulate: emulate the fp8 matmuls (CPU, GPUs without fp8 Tensor Cores): slow, for tests and debugging.
+            Without it such a device is an error, never a silent emulation.
 
     Example:
         ```python
@@ -96,6 +104,9 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         master_remainders: bool = False,
         overflow_retries: int = 0,
         skipped_steps_advance_schedulers: bool = True,
+        fp8: Any = None,
+        fp8_filter: Optional[Callable[[Module, str], bool]] = None,
+        fp8_emulate: bool = False,
     ) -> None:
         self._init_plugin(
             precision,
@@ -105,6 +116,9 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             max_consecutive_skips,
             accumulate_fp32,
             skipped_steps_advance_schedulers,
+            fp8,
+            fp8_filter,
+            fp8_emulate,
         )
         self.overflow_retries = check_overflow_retries(overflow_retries, self.scaler)
         chunk = check_chunked_step(chunked_step, master_weights)
@@ -127,6 +141,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         if strategy is not None:
             check_strategy(strategy)
         self._engine.masters = self._masters_for(module, strategy)
+        module = self._convert_fp8(module)  # Float8Linear keeps the Linear's parameters: they get masters next
         # Lightning loads a checkpoint's weights before it converts the module (strategies that restore after set-up
         # load them into the converted module, where the load hook sees them)
         return self._engine.convert(module, restored=trainer is not None and trainer.ckpt_path is not None)
@@ -164,6 +179,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         first = next(model.parameters(), None)
         if first is not None:
             self.device = first.device.type
+            self._check_fp8_device(first.device)
         lightning_module = getattr(model, "module", model)  # DDP wraps it
         self._automatic = getattr(lightning_module, "automatic_optimization", True)
         masters = self._engine.masters

@@ -43,6 +43,7 @@ from lightning_mpt.report_events import (
     load_runs,
     unreadable_files,
 )
+from lightning_mpt.report_fp8 import Fp8Row, fp8_lines, fp8_rows
 
 __all__ = [
     "UNDERFLOW_TAGS",
@@ -134,6 +135,7 @@ class RunSummary:
     update_underflow: Optional[Stats]  # mpt/update_underflow_fraction
     worst_update_underflow: list[Ranked]
     exponents: Optional[ExponentHistogram]
+    fp8: list[Fp8Row] = field(default_factory=list)  # torchao's fp8 casts by layer and role, worst first
     advice: list[Advice] = field(default_factory=list)  # what to change and why (lightning_mpt.report_advice)
 
 
@@ -218,6 +220,7 @@ def summarize(run: RunData) -> RunSummary:
         update_underflow=Stats.of(run.series(tags.UPDATE_UNDERFLOW)),
         worst_update_underflow=_ranked(run, tags.UPDATE_UNDERFLOW),
         exponents=run.exponents,
+        fp8=fp8_rows(run),
     )
     summary.advice = advise(run, summary)  # what to change, from the numbers above
     return summary
@@ -353,6 +356,7 @@ def format_text(report: Report, top: int = 5) -> str:
             top,
             "none above 0%",
         )
+        lines += fp8_lines(r.fp8, top)
     lines += advice_section(head[1:], [r.advice for r in runs])
     if report.ignored:
         lines += ["", f"no {PREFIX} tags, not reported: {', '.join(report.ignored)}"]

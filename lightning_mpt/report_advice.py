@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.exponent_axis import FORMATS, FloatFormat
 from lightning_mpt.report_events import RunData, Series
+from lightning_mpt.report_fp8 import keep_in_bf16
 
 if TYPE_CHECKING:
     from lightning_mpt.report import RunSummary
@@ -323,7 +324,7 @@ def masters(run: RunData, summary: RunSummary, facts: _Facts) -> Optional[Advice
 Rule = Callable[[RunData, "RunSummary", _Facts], Optional[Advice]]
 #: the rules, in the order their advice is printed: what skips steps first, then what loses gradient values
 RULES: tuple[Rule, ...] = (static_overflow, skips_at_start, one_param, bf16)
-RULES += (underflow, growth_interval, headroom, masters)
+RULES += (underflow, growth_interval, headroom, masters, keep_in_bf16)
 
 
 def advise(run: RunData, summary: RunSummary) -> list[Advice]:

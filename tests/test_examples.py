@@ -281,3 +281,16 @@ def test_grad_accumulation_fp32_sum_is_closer_to_fp64() -> None:
     results = grad_accumulation.main(["--fast"])
     for (precision, n), r in results.items():
         assert 0 < r["fp32"] < r["half"], (precision, n, r)  # the fp32 sum loses less than the half-precision one
+
+
+def test_fp8_transformer_names_the_outlier_layer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchao.float8")
+    import fp8_transformer
+
+    from lightning_mpt.report import build_report
+
+    out = fp8_transformer.main(["--steps", "10", "--every", "5", "--logdir", str(tmp_path)])
+    assert out["losses"][-1] < out["losses"][0]
+    report = build_report(tmp_path)
+    assert (report.runs[0].fp8[0].layer, report.runs[0].fp8[0].role) == ("blocks.0.fc1", "input")
+    assert any(a.rule == "fp8_keep_bf16" for a in report.runs[0].advice)

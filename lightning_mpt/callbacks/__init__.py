@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from lightning_mpt._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from lightning_mpt.callbacks.fp8 import Float8Monitor
     from lightning_mpt.callbacks.histograms import GradientHistogramMonitor
     from lightning_mpt.callbacks.loss_scale import LossScaleMonitor
     from lightning_mpt.callbacks.tensor_cores import TensorCoreCheck
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "CATEGORY": "lightning_mpt.diagnostics.dashboard",
     "DiagnosticsWarning": "lightning_mpt.diagnostics.statistic",
+    "Float8Monitor": "lightning_mpt.callbacks.fp8",
     "FlushStatistics": "lightning_mpt.diagnostics.reference",
     "GradientHistogramMonitor": "lightning_mpt.callbacks.histograms",
     "LossScaleMonitor": "lightning_mpt.callbacks.loss_scale",
@@ -44,6 +46,7 @@ _EXPORTS = {
 __all__ = [
     "CATEGORY",
     "DiagnosticsWarning",
+    "Float8Monitor",
     "FlushStatistics",
     "GradientHistogramMonitor",
     "LossScaleMonitor",

@@ -58,6 +58,14 @@ CHARTS: dict[str, tuple[str, list[str]]] = {
     "subnormal_by_param": ("Subnormal fraction by parameter", [_per_parameter(tags.GRAD_SUBNORMAL)]),
     "overflow_by_param": ("Overflow fraction by parameter", [_per_parameter(tags.GRAD_OVERFLOW)]),
     "update_by_param": ("Update underflow by parameter", [_per_parameter(tags.UPDATE_UNDERFLOW)]),
+    "fp8_casts": (
+        "fp8 casts: saturated, flushed, subnormal fractions (all layers)",
+        [_exactly(t) for t in (tags.FP8_SATURATED, tags.FP8_FLUSH, tags.FP8_SUBNORMAL)],
+    ),
+    "fp8_flush_by_layer": ("fp8 flush fraction by layer/role", [_per_parameter(tags.FP8_FLUSH)]),
+    "fp8_saturated_by_layer": ("fp8 saturated fraction by layer/role", [_per_parameter(tags.FP8_SATURATED)]),
+    "fp8_amax_by_layer": ("fp8 amax by layer/role", [_per_parameter(tags.FP8_AMAX)]),
+    "fp8_scale_by_layer": ("fp8 scale by layer/role", [_per_parameter(tags.FP8_SCALE)]),
 }
 
 

@@ -52,6 +52,15 @@ UPDATE_UNDERFLOW = "mpt/update_underflow_fraction"
 SCALE_HEADROOM = "mpt/scale_headroom"  # log2(format max / max |scaled fp32 reference grad|)
 STORED_HEADROOM = "mpt/stored_headroom"  # log2(format max / max |stored scaled grad|)
 
+# ------------------------------------------------------- scalars: torchao's fp8 casts (per layer: "/<layer>/<role>")
+FP8 = "mpt/fp8"
+FP8_AMAX = "mpt/fp8/amax"  # max |x| of the high-precision tensor a role casts
+FP8_SCALE = "mpt/fp8/scale"  # fp8_max / amax as torchao computes it (rowwise: the smallest row scale)
+FP8_SATURATED = "mpt/fp8/saturated_fraction"  # of all values: clamped to the format's max (non-finite included)
+FP8_FLUSH = "mpt/fp8/flush_fraction"  # of the nonzero finite values: cast to 0
+FP8_SUBNORMAL = "mpt/fp8/subnormal_fraction"  # of the nonzero finite values: subnormal in fp8
+FP8_ROLES = ("input", "weight", "grad_output")  # the roles' names, the last part of a per-layer tag
+
 # --------------------------------------------------------------------------- the format's marks (scalars, once)
 FORMAT_MARKS = "mpt/format"
 MIN_SUBNORMAL_EXPONENT = "mpt/format/min_subnormal_exponent"
@@ -95,6 +104,16 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
 def per_parameter(tag: str, name: str) -> str:
     """The tag of one parameter's (or module's) value of ``tag``: ``tag + "/" + name``."""
     return f"{tag}/{name}"
+
+
+def fp8_layer_role(tag: str, full: str) -> Optional[tuple[str, str]]:
+    """``(layer, role)`` of a per-layer fp8 tag of ``tag`` (``mpt/fp8/flush_fraction/blocks.0.fc1/input``), else
+    ``None``."""
+    rest = parameter_of(tag, full)
+    if rest is None or "/" not in rest:
+        return None
+    layer, role = rest.rsplit("/", 1)
+    return (layer, role) if role in FP8_ROLES else None
 
 
 def parameter_of(tag: str, full: str) -> Optional[str]:

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from lightning_mpt.core.numerics import FP16
 from lightning_mpt.diagnostics.cadence import check_every
+from lightning_mpt.diagnostics.fp8 import Float8Statistics
 from lightning_mpt.diagnostics.histograms import GradientHistograms
 from lightning_mpt.diagnostics.loss_scale import ScaleTracker, Suspects
 from lightning_mpt.diagnostics.plugin import current_scale, half_format, has_masters, steps_taken
@@ -65,8 +66,9 @@ __all__ = ["MixedPrecisionLogger"]
 
 class MixedPrecisionLogger:
     """The "Mixed precision" dashboard for a Fabric loop: loss scale, skipped steps and their culprits, stored-gradient
-    fractions, update underflow, gradient and exponent histograms, and the flush fraction from an fp32 reference on
-    demand, under the same tags and with the same numbers as the Trainer callbacks
+    fractions, update underflow, gradient and exponent histograms, torchao's fp8 casts (with
+    ``MPTPrecision("bf16", fp8=...)``: :class:`~lightning_mpt.callbacks.Float8Monitor`'s tags), and the flush fraction
+    from an fp32 reference on demand, under the same tags and with the same numbers as the Trainer callbacks
     (:class:`~lightning_mpt.callbacks.LossScaleMonitor`, :class:`~lightning_mpt.callbacks.UnderflowMonitor`,
     :class:`~lightning_mpt.callbacks.GradientHistogramMonitor`). Everything a step queued is read with one host sync
     in :meth:`step`.
@@ -95,7 +97,7 @@ class MixedPrecisionLogger:
         histograms_every_n_steps: optimizer steps between gradient and exponent histograms; ``0`` turns them off.
         scale_every_n_steps: log the loss scale every this many steps; skipped steps and scale changes are always
             logged.
-        per_parameter: also log each parameter's fractions.
+        per_parameter: also log each parameter's fractions (and each fp8 layer's cast statistics).
         update_underflow: measure the update underflow (copies the fp32 masters before the step, at those steps).
         group_by: ``"parameter"`` or ``"module"``: one histogram per parameter, or per module.
         bins: buckets of the value histograms.
@@ -139,6 +141,7 @@ class MixedPrecisionLogger:
         self.histograms = GradientHistograms(self.histograms_every_n_steps, group_by, bins, owner=owner, strict=strict)
         self.scale = ScaleTracker(self.scale_every_n_steps, check_every(owner, "max_names", max_names), owner, strict)
         self.underflow = UnderflowStatistics(self.every_n_steps, per_parameter, update_underflow, owner, strict)
+        self.fp8 = Float8Statistics(self.every_n_steps, per_parameter, owner, strict)
         self.fabric = fabric
         self.module: nn.Module = model.module if is_wrapped(model) and isinstance(model.module, nn.Module) else model
         self.plugin: Any = fabric.strategy.precision
@@ -164,6 +167,9 @@ class MixedPrecisionLogger:
         if half_format(plugin) is FP16 and ScaleTracker.source_of(plugin) is None:
             session.warn_once(self.scale.without_scale(plugin))
         self.underflow.set_up(session, module, plugin)
+        if getattr(plugin, "fp8_config", None) is not None:
+            self.fp8.set_up(session, module)
+            self.fp8.arm(self.recorder, self.global_step)  # the first step's forward comes before any call
 
     def _start(self) -> None:
         """At the first call: where the plugin stands (a run resumed with ``fabric.load`` continues its step count)."""
@@ -200,6 +206,7 @@ class MixedPrecisionLogger:
             return
         self._measured = step
         if self._on:
+            self.fp8.after_backward(self.recorder)
             self.underflow.after_backward(self.recorder, step)
             self.histograms.after_backward(self.recorder, step)
             self.histograms.stored_values(self.recorder, self.plugin, step)
@@ -222,6 +229,8 @@ class MixedPrecisionLogger:
         self._loss = None
         self.global_step = steps_taken(plugin) if has_masters(plugin) else step + 1
         self.recorder.flush()
+        if self._on:
+            self.fp8.arm(self.recorder, self.global_step)  # before the next step's forward
         return output
 
     def reference(self, loss_fn: Callable[..., Any], *args: Any) -> Optional[ReferenceStats]:
@@ -261,6 +270,7 @@ class MixedPrecisionLogger:
         """``optimizer.step`` raised: log the steps taken (the one that tripped ``MPTPrecision``'s guard among them),
         the stop, and the summary; drop the rest."""
         self.underflow.release()
+        self.fp8.release()
         self.recorder.clear()
         self.scale.stopped(self.session.sink, self.plugin, error, self.global_step)
         self.session.sink.flush()  # the error may end the process: the stop is on disk first

@@ -14,6 +14,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt._plugin import (
+    FP8_UNDER_FSDP2,
     MixedPrecisionPlugin,
     check_sharded,
     lbfgs_unsupported,
@@ -56,6 +57,11 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
             whose ``parallelize_fn`` calls ``fully_shard(..., mp_policy=plugin.mp_policy)``): set-up leaves it fp32,
             so that FSDP2's fp32 shards are the masters, with no copy. Fabric converts a model before the strategy
             shards it, so the plugin cannot tell by itself.
+        fp8: run eligible ``Linear`` layers' matmuls in fp8 with torchao (``bf16`` only): ``True``, a recipe name
+            (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a ``torchao.float8.Float8LinearConfig``;
+            see the Trainer plugin and docs/fp8.md. Not with ``sharded=True``.
+        fp8_filter: ``fn(module, fqn) -> bool``: convert only the eligible layers it accepts.
+        fp8_emulate: emulate the fp8 matmuls (CPU, GPUs without fp8 Tensor Cores), never done silently.
 
     Example:
         ```python
@@ -82,6 +88,9 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         accumulate_fp32: bool = False,
         skipped_steps_advance_schedulers: bool = True,
         sharded: bool = False,
+        fp8: Any = None,
+        fp8_filter: Optional[Callable[[Module, str], bool]] = None,
+        fp8_emulate: bool = False,
     ) -> None:
         self._init_plugin(
             precision,
@@ -91,8 +100,13 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
             max_consecutive_skips,
             accumulate_fp32,
             skipped_steps_advance_schedulers,
+            fp8,
+            fp8_filter,
+            fp8_emulate,
         )
         _check_sharded(sharded, master_weights)
+        if sharded and self.fp8_config is not None:
+            raise ValueError(FP8_UNDER_FSDP2)
         self.sharded = sharded
         self._module: Optional[Module] = None  # the converted module
         self._forward: Optional[ForwardModule] = None  # what convert_module returned for it (one device, DDP)
@@ -125,12 +139,14 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
                 "Set the models up as one module (for example an nn.ModuleDict with both) or call "
                 "`fabric.strategy.precision.restore()` when done with the first."
             )
-        self._module = module
         self._ready = False
         if self.sharded:  # the strategy shards it next: nothing to cast, no replica to make equal across processes
+            self._module = module
             self._engine.masters = self._sharded_masters("fabric")
             self._params, self._synced = set(), True
             return module
+        module = self._convert_fp8(module)  # Float8Linear keeps the Linear's parameters: they get masters next
+        self._module = module
         self._engine.convert(module)
         self._params = set(module.parameters())
         self._synced = not distributed()
@@ -303,6 +319,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
             self._engine.masters.follow_devices()
         if params:
             self.device = params[0].device.type
+            self._check_fp8_device(params[0].device)
         self._ready = True
 
     def _syncs(self, model: Optional[Module]) -> bool:
