@@ -164,7 +164,10 @@ def test_tiny_transformer_trains_close_to_bf16():
         assert abs(a - b) <= 0.05 * b
 
 
-def test_resume_is_bitwise(tmp_path):
+@pytest.mark.parametrize(
+    "storage", [{}, {"master_remainders": True, "chunked_step": 512}], ids=["copies", "remainders"]
+)
+def test_resume_is_bitwise(tmp_path, storage):
     # the resumed run executes the same operations in the same order as the uninterrupted one (one batch per epoch:
     # the same batch at every step, whatever the loader's position), the emulated fp8 casts are deterministic
     # functions of the bf16 weights and inputs, and the checkpoint holds the exact fp32 masters and Adam state: so
@@ -177,7 +180,7 @@ def test_resume_is_bitwise(tmp_path):
         torch.manual_seed(0)
         model = TinyGPT()
         trainer = quiet_trainer(
-            plugins=[fp8()], max_steps=steps, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)
+            plugins=[fp8(**storage)], max_steps=steps, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)
         )
         trainer.fit(model, data, ckpt_path=ckpt)
         return model
