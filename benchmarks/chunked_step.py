@@ -1,13 +1,15 @@
-"""Bytes per parameter at the optimizer step and step time, with and without ``MPTPrecision(chunked_step=...)``.
+"""Bytes per parameter at the optimizer step and step time of the ways ``MPTPrecision`` stores and steps the masters:
+a whole step (today's default), ``chunked_step``, ``master_remainders`` (bf16), and both.
 
     python benchmarks/chunked_step.py                 # 8 x Linear(512, 512) + LayerNorm, AdamW, bf16 and fp16
     python benchmarks/chunked_step.py --rounds 5 --steps 20 --chunk 262144
 
 Bytes: inside every ``optimizer.step()`` call (a step post-hook, so once per chunk) the script adds up the storage of
-the module's weights and gradients, the masters and their gradients, and the optimizer's state, each storage once;
-the figure is the largest sum over the calls, divided by the number of parameters. Time: whole and chunked runs
-alternate, ``--rounds`` times, each timing ``--steps`` training steps after two warm-up steps; the table gives the
-median and the range of the chunked run's time over the whole run's.
+the module's weights and gradients, what holds the masters (``plugin.master_storage``: fp32 masters, or the 16-bit
+remainders of those asleep) and their gradients, and the optimizer's state, each storage once; the figure is the
+largest sum over the calls, divided by the number of parameters. Time: the configurations of a precision run in turn,
+``--rounds`` times, each timing ``--steps`` training steps after two warm-up steps; the table gives the median and the
+range over the rounds of each one's time over the whole step's of the same round.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class Probe(L.LightningModule):
     def _count(self, optimizer: torch.optim.Optimizer) -> None:
         plugin = self.trainer.precision_plugin
         seen: dict[int, int] = {}
-        tensors = [t for p in self.parameters() for t in (p, p.grad, plugin.master_of(p), plugin.master_of(p).grad)]
+        held = plugin.master_storage()
+        tensors = [t for p in self.parameters() for t in (p, p.grad)] + [t for m in held for t in (m, m.grad)]
         tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         for t in tensors:
             if t is not None:
@@ -53,7 +56,7 @@ class Probe(L.LightningModule):
         self.peak = max(self.peak, sum(seen.values()))
 
 
-def run(precision: str, chunk: Any, steps: int, width: int, depth: int) -> tuple[float, float]:
+def run(precision: str, options: dict[str, Any], steps: int, width: int, depth: int) -> tuple[float, float]:
     """``(bytes per parameter at the step, seconds per step)`` of one run."""
     torch.manual_seed(0)
     model = Probe(width, depth)
@@ -63,7 +66,7 @@ def run(precision: str, chunk: Any, steps: int, width: int, depth: int) -> tuple
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=steps + 2,
-        plugins=[MPTPrecision(precision, chunked_step=chunk)],  # type: ignore[arg-type]
+        plugins=[MPTPrecision(precision, **options)],  # type: ignore[arg-type]
         callbacks=[timer],
         logger=False,
         enable_checkpointing=False,
@@ -98,19 +101,29 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=8)
     args = parser.parse_args()
-    print("| precision | bytes/param whole | bytes/param chunked | chunked/whole step time: median [min-max] |")
-    print("|---|---|---|---|")
+    configs = {
+        "whole step": {},
+        "chunked_step": {"chunked_step": args.chunk},
+        "master_remainders": {"master_remainders": True},
+        "master_remainders + chunked_step": {"master_remainders": True, "chunked_step": args.chunk},
+    }
+    print("| precision | configuration | bytes/param at the step | step time / whole step: median [min-max] |")
+    print("|---|---|--:|--:|")
     for precision in ("bf16", "fp16"):
-        ratios, sizes = [], {}
+        names = [n for n in configs if precision == "bf16" or "remainders" not in n]
+        ratios: dict[str, list[float]] = {n: [] for n in names}
+        sizes: dict[str, float] = {}
         for _ in range(args.rounds):
-            whole = run(precision, False, args.steps, args.width, args.depth)
-            chunked = run(precision, args.chunk, args.steps, args.width, args.depth)
-            sizes = {"whole": whole[0], "chunked": chunked[0]}
-            ratios.append(chunked[1] / whole[1])
-        print(
-            f"| {precision} | {sizes['whole']:.2f} | {sizes['chunked']:.2f} | "
-            f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] |"
-        )
+            times = {}
+            for name in names:
+                sizes[name], times[name] = run(precision, configs[name], args.steps, args.width, args.depth)
+            for name in names:
+                ratios[name].append(times[name] / times["whole step"])
+        for name in names:
+            r = ratios[name]
+            print(
+                f"| {precision} | {name} | {sizes[name]:.2f} | {statistics.median(r):.2f} [{min(r):.2f}-{max(r):.2f}] |"
+            )
 
 
 if __name__ == "__main__":

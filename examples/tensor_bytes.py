@@ -129,7 +129,7 @@ def is_weight_cast(t: Tensor) -> bool:
 
 
 def master_tensors(plugin: Any, optimizer: Any) -> list[Any]:
-    """The tensors holding the masters of ``optimizer``'s parameters: ``MPTPrecision.master_storage`` (the int16
-    remainders of masters stored in 16 bits, without waking them), else Lightning's ``main_params``."""
+    """The tensors holding the masters: ``MPTPrecision.master_storage()`` (the int16 remainders of masters stored in
+    16 bits, without waking them), else Lightning's ``main_params(optimizer)``."""
     held = getattr(plugin, "master_storage", None)
-    return list(held(optimizer) if held is not None else plugin.main_params(optimizer))
+    return list(held() if held is not None else plugin.main_params(optimizer))

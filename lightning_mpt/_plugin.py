@@ -261,9 +261,9 @@ class MixedPrecisionPlugin:
         masters = self._engine.masters
         return [masters.master_of(p) for p in params_of(unwrap(optimizer))]
 
-    def master_storage(self, optimizer: Optimizer) -> list[Tensor]:
-        """The tensors that hold the masters of ``optimizer``'s parameters now, without waking any: fp32 masters, or
-        with ``master_remainders`` the int16 remainders of those asleep (what a memory count should see).
+    def master_storage(self) -> list[Tensor]:
+        """The tensors that hold the masters now, without waking any: fp32 masters, or with ``master_remainders`` the
+        int16 remainders of those asleep (what a memory count should see, also inside an optimizer step).
 
         Example:
             ```python
@@ -272,12 +272,10 @@ class MixedPrecisionPlugin:
             plugin = MPTPrecision("bf16")
             model = plugin.convert_module(torch.nn.Linear(4, 4))
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            assert [t.dtype for t in plugin.master_storage(optimizer)] == [torch.float32, torch.float32]
+            assert [t.dtype for t in plugin.master_storage()] == [torch.float32, torch.float32]
             ```
         """
-        masters = self._engine.masters
-        held = [masters.storage_of(p) for p in params_of(unwrap(optimizer))]
-        return [t for t in held if t is not None]
+        return self._engine.masters.storage()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

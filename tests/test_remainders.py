@@ -89,8 +89,7 @@ def test_between_steps_the_masters_are_two_byte_remainders():
 
     def look(model: Net, when: str) -> None:
         if when == "start":
-            optimizer = model.trainer.optimizers[0]
-            held.append([(t.dtype, t.numel()) for t in model.trainer.precision_plugin.master_storage(optimizer)])
+            held.append([(t.dtype, t.numel()) for t in model.trainer.precision_plugin.master_storage()])
 
     fit(Net(look), chunked_step=64)
     converted = [(torch.int16, n) for n in (8 * 32, 32, 32, 1)]  # the LayerNorm's parameters are their own masters

@@ -187,8 +187,8 @@ class Masters(Protocol):
     def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
         """``(name, parameter, master)`` of each parameter with a master."""
 
-    def storage_of(self, param: Tensor) -> Optional[Tensor]:
-        """The tensor holding ``param``'s master now, other than ``param`` itself (``None``: none)."""
+    def storage(self) -> list[Tensor]:
+        """The tensors holding the masters now, other than the parameters themselves."""
 
 
 class _Handing(Protocol):

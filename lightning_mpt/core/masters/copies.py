@@ -109,9 +109,9 @@ class CopyMasters(GradientFlow):
         """The fp32 tensor that the optimizer steps for ``param`` (``param`` itself when it has no master)."""
         return self.masters.get(param, param)
 
-    def storage_of(self, param: Tensor) -> Optional[Tensor]:
-        """The tensor holding ``param``'s master (``None`` when it has none)."""
-        return self.masters.get(param)
+    def storage(self) -> list[Tensor]:
+        """The masters."""
+        return list(self.masters.values())
 
     def saved_master(self, param: Tensor) -> Optional[Tensor]:
         """What a checkpoint saves for ``param``: its master (``None`` when it has none)."""

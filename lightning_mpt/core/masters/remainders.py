@@ -276,9 +276,9 @@ class RemainderMasters(ChunkedMasters):
         for p in list(self.masters):
             yield self.name_of(p), p, self.master_of(p)
 
-    def storage_of(self, param: Tensor) -> Optional[Tensor]:
-        """The remainder of a sleeping master, else the awake master (``None`` when ``param`` has none)."""
-        return self.rems.get(param, self.masters.get(param))
+    def storage(self) -> list[Tensor]:
+        """The remainders of the masters asleep and the masters awake."""
+        return [self.rems.get(p, m) for p, m in self.masters.items()]
 
     def saved_master(self, param: Tensor) -> Optional[Tensor]:
         rem = self.rems.get(param)

@@ -335,9 +335,9 @@ class ShardedMasters:
         """``param`` itself: the fp32 shard is the master."""
         return param
 
-    def storage_of(self, param: Tensor) -> Optional[Tensor]:
-        """``None``: the shard is the parameter itself."""
-        return None
+    def storage(self) -> list[Tensor]:
+        """None besides the parameters: each fp32 shard is its parameter."""
+        return []
 
     def name_of(self, param: Tensor) -> str:
         return self._names.get(param, f"<unnamed {tuple(param.shape)}>")
