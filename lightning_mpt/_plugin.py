@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -59,6 +59,9 @@ class MixedPrecisionPlugin:
     accumulate_fp32: bool
     skipped_steps_advance_schedulers: bool
     _fp8: Optional[Float8Setup] = None
+    #: the Trainer plugin's memory options; the Fabric plugin has neither (a whole step, 4-byte masters)
+    chunked_step: Union[bool, int] = False
+    master_remainders: bool = False
     #: how user code reaches the plugin, for messages
     _access: str = "the precision plugin"
 
@@ -105,6 +108,11 @@ class MixedPrecisionPlugin:
     def fp8_config(self) -> Any:
         """torchao's ``Float8LinearConfig`` the plugin converts ``Linear`` layers with, ``None`` without fp8."""
         return None if self._fp8 is None else self._fp8.config
+
+    @property
+    def fp8_setup(self) -> Optional[Float8Setup]:
+        """How the ``Linear`` layers compute in fp8 (``None``: they do not)."""
+        return self._fp8
 
     def _convert_fp8(self, module: Module) -> Module:
         """Swap eligible ``Linear`` layers for torchao's ``Float8Linear`` (with ``fp8=``), before the masters are

@@ -791,6 +791,9 @@ def test_records_of_skipped_steps_summary_and_run(fp16_run):
             "max_scale": 2.0**24,
         },
         "master_weights": True,
+        "master_remainders": False,
+        "chunked_step": False,
+        "fp8": None,
         "monitors": ["LossScaleMonitor", "GradientHistogramMonitor", "UnderflowMonitor"],
     }
     assert "mpt/data/stopped" not in ea.Tags()["tensors"]

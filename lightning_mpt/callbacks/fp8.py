@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 
 from lightning_mpt.callbacks._monitor import Monitor, accumulating
 from lightning_mpt.diagnostics.cadence import check_every
+from lightning_mpt.diagnostics.dashboard import FP8_CHARTS
 from lightning_mpt.diagnostics.fp8 import Float8Statistics
 
 
@@ -37,7 +38,7 @@ class Float8Monitor(Monitor):
         ```
     """
 
-    charts = ("fp8_casts", "fp8_flush_by_layer", "fp8_saturated_by_layer", "fp8_amax_by_layer", "fp8_scale_by_layer")
+    charts = FP8_CHARTS
 
     def __init__(self, every_n_steps: Optional[int] = None, per_layer: bool = True, strict: Optional[bool] = None):
         super().__init__(strict)

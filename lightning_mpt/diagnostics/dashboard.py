@@ -22,7 +22,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.tags import CATEGORY
 
-__all__ = ["CATEGORY", "CHARTS", "layout_dict", "mixed_precision_layout"]
+__all__ = ["CATEGORY", "CHARTS", "FP8_CHARTS", "layout_dict", "mixed_precision_layout"]
 
 
 def _exactly(tag: str) -> str:
@@ -67,6 +67,10 @@ CHARTS: dict[str, tuple[str, list[str]]] = {
     "fp8_amax_by_layer": ("fp8 amax by layer/role", [_per_parameter(tags.FP8_AMAX)]),
     "fp8_scale_by_layer": ("fp8 scale by layer/role", [_per_parameter(tags.FP8_SCALE)]),
 }
+
+
+#: the charts of fp8 casts: on a dashboard only when ``Linear`` layers compute in fp8
+FP8_CHARTS = tuple(key for key in CHARTS if key.startswith("fp8_"))
 
 
 def _wanted(charts: Optional[Iterable[str]]) -> list[str]:

@@ -82,6 +82,7 @@ def describe_precision(plugin: Any) -> dict[str, Any]:
     else:
         scaling = "static" if getattr(scaler, "is_static", False) else "dynamic"
     masters = getattr(plugin, "master_weights", None)
+    fp8 = getattr(plugin, "fp8_setup", None)
     return {
         "format": fmt.name if fmt is not None else None,
         "plugin": type(plugin).__name__,
@@ -89,6 +90,9 @@ def describe_precision(plugin: Any) -> dict[str, Any]:
         "loss_scaling": scaling,
         "scaler": describe_scaler(scaler),
         "master_weights": masters if isinstance(masters, bool) else None,
+        "master_remainders": getattr(plugin, "master_remainders", None),
+        "chunked_step": getattr(plugin, "chunked_step", None),
+        "fp8": fp8.describe() if fp8 is not None else None,
     }
 
 

@@ -90,8 +90,21 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     # format: "fp16" | "bf16" | None; precision: the plugin's class and precision name; loss_scaling: "dynamic",
     # "static", "grad_scaler" or "none"; scaler: the scaler's configuration at the start (scale, growth_interval, ...;
     # null without one), so that the report can tell why the scale never grew; master_weights: true/false, null when
-    # the plugin has no such option; monitors: the callbacks' class names
-    RUN_RECORD: ("schema", "format", "plugin", "precision", "loss_scaling", "scaler", "master_weights", "monitors"),
+    # the plugin has no such option; master_remainders, chunked_step: the plugin's options (null when it has none); fp8:
+    # {"recipe", "emulate"} when Linear layers compute in fp8, else null; monitors: the callbacks' class names
+    RUN_RECORD: (
+        "schema",
+        "format",
+        "plugin",
+        "precision",
+        "loss_scaling",
+        "scaler",
+        "master_weights",
+        "master_remainders",
+        "chunked_step",
+        "fp8",
+        "monitors",
+    ),
     # params: every parameter whose gradient held inf/NaN; loss_finite: true/false, null when unknown
     SKIP_RECORD: ("schema", "step", "scale", "scale_after", "params", "loss_finite"),
     # error: the exception's class name; message: its text (names the parameters, the scale history, a hint)

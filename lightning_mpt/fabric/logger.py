@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from lightning_mpt.core.numerics import FP16
 from lightning_mpt.diagnostics.cadence import check_every
+from lightning_mpt.diagnostics.dashboard import CHARTS, FP8_CHARTS
 from lightning_mpt.diagnostics.fp8 import Float8Statistics
 from lightning_mpt.diagnostics.histograms import GradientHistograms
 from lightning_mpt.diagnostics.loss_scale import ScaleTracker, Suspects
@@ -162,12 +163,14 @@ class MixedPrecisionLogger:
         session, plugin, module, owner = self.session, self.plugin, self.module, type(self).__name__
         session.shard(module, bool(self.fabric.loggers))
         session.warn_without_logger(owner, "Fabric")
-        session.write_header(plugin, None, [owner], 0)  # every chart: the three callbacks' dashboard
+        fp8 = getattr(plugin, "fp8_config", None) is not None
+        # every chart, as the Trainer's callbacks together draw them (the fp8 ones with fp8 only, as Float8Monitor)
+        session.write_header(plugin, None if fp8 else [k for k in CHARTS if k not in FP8_CHARTS], [owner], 0)
         self.histograms.set_up(session, module, plugin)
         if half_format(plugin) is FP16 and ScaleTracker.source_of(plugin) is None:
             session.warn_once(self.scale.without_scale(plugin))
         self.underflow.set_up(session, module, plugin)
-        if getattr(plugin, "fp8_config", None) is not None:
+        if fp8:
             self.fp8.set_up(session, module)
             self.fp8.arm(self.recorder, self.global_step)  # the first step's forward comes before any call
 
