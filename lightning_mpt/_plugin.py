@@ -17,11 +17,18 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_mpt.core.config import LIGHTNING_NAMES, check_arguments
+from lightning_mpt.core.config import (
+    LIGHTNING_NAMES,
+    check_arguments,
+    check_chunked_step,
+    check_master_remainders,
+)
 from lightning_mpt.core.engine import MixedPrecisionEngine
 from lightning_mpt.core.fp8 import Float8Setup, check_fp8, check_fp8_device, convert_fp8
 from lightning_mpt.core.masters import Masters, params_of
+from lightning_mpt.core.masters.chunked import ChunkedMasters
 from lightning_mpt.core.masters.copies import CopyMasters
+from lightning_mpt.core.masters.remainders import RemainderMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.core.schedules import ScheduleGate
 from lightning_mpt.core.steps import StepRecord
@@ -59,7 +66,6 @@ class MixedPrecisionPlugin:
     accumulate_fp32: bool
     skipped_steps_advance_schedulers: bool
     _fp8: Optional[Float8Setup] = None
-    #: the Trainer plugin's memory options; the Fabric plugin has neither (a whole step, 4-byte masters)
     chunked_step: Union[bool, int] = False
     master_remainders: bool = False
     #: how user code reaches the plugin, for messages
@@ -104,6 +110,28 @@ class MixedPrecisionPlugin:
         )
         self._engine.log.gate = ScheduleGate(enabled=not skipped_steps_advance_schedulers)
 
+    def _init_memory(self, chunked_step: Any, master_remainders: Any) -> None:
+        """The memory options of both plugins (checked, kept): the masters stepped in chunks, stored in 16 bits."""
+        chunk = check_chunked_step(chunked_step, self.master_weights)
+        self.master_remainders = check_master_remainders(master_remainders, self._dtype, self.master_weights)
+        self.chunked_step = chunked_step
+        if master_remainders:
+            self._engine.masters = RemainderMasters(self.keep_fp32, chunk)
+        elif chunk is not None:
+            self._engine.masters = ChunkedMasters(self._dtype, self.keep_fp32, chunk)
+
+    def _refuse_under_fsdp2(self) -> None:
+        """A clear error for the options FSDP2 cannot take: fp8 (for now), the chunked step, 16-bit masters."""
+        if self._fp8 is not None:
+            raise ValueError(FP8_UNDER_FSDP2)
+        for option, value in (("chunked_step", self.chunked_step), ("master_remainders", self.master_remainders)):
+            if value is not False:
+                raise ValueError(
+                    f"MPTPrecision({option}=...) is not supported under FSDP2 (ModelParallelStrategy): FSDP2's fp32 "
+                    "shards are the masters, and its step holds 1/N of the gradients per process already. Leave "
+                    f"{option}=False."
+                )
+
     @property
     def fp8_config(self) -> Any:
         """torchao's ``Float8LinearConfig`` the plugin converts ``Linear`` layers with, ``None`` without fp8."""
@@ -124,8 +152,7 @@ class MixedPrecisionPlugin:
 
     def _sharded_masters(self, loop: Loop) -> Masters:
         """FSDP2's own fp32 shards as the masters, or a clear error where they cannot be."""
-        if self._fp8 is not None:
-            raise ValueError(FP8_UNDER_FSDP2)
+        self._refuse_under_fsdp2()
         check_sharded(self.master_weights, "sharded=True, " if loop == "fabric" else "")
         from lightning_mpt.core.masters.sharded import ShardedMasters
 

@@ -23,11 +23,10 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _averaging, _compat
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
-from lightning_mpt.core.config import check_chunked_step, check_master_remainders, check_overflow_retries
+from lightning_mpt.core.config import check_overflow_retries
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Masters, is_fully_sharded
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
 from lightning_mpt.core.masters.copies import CopyMasters
-from lightning_mpt.core.masters.remainders import RemainderMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.core.steps import NonFiniteGradientError, StepRecord
 
@@ -121,13 +120,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             fp8_emulate,
         )
         self.overflow_retries = check_overflow_retries(overflow_retries, self.scaler)
-        chunk = check_chunked_step(chunked_step, master_weights)
-        self.chunked_step = chunked_step
-        self.master_remainders = check_master_remainders(master_remainders, self._dtype, master_weights)
-        if master_remainders:
-            self._engine.masters = RemainderMasters(self.keep_fp32, chunk)
-        elif chunk is not None:
-            self._engine.masters = ChunkedMasters(self._dtype, self.keep_fp32, chunk)
+        self._init_memory(chunked_step, master_remainders)
         self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._averaging: list[_averaging.Adapted] = []  # weight-averaging callbacks pointed at the masters
@@ -152,18 +145,6 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if isinstance(strategy, ModelParallelStrategy) or is_fully_sharded(module):
-            if self.chunked_step is not False:
-                raise ValueError(
-                    "MPTPrecision(chunked_step=...) is not supported under FSDP2 (ModelParallelStrategy): FSDP2's "
-                    "shards are the masters and its step holds 1/N of the gradients per process already. Leave "
-                    "chunked_step=False."
-                )
-            if self.master_remainders:
-                raise ValueError(
-                    "MPTPrecision(master_remainders=True) is not supported under FSDP2 (ModelParallelStrategy): "
-                    "FSDP2's fp32 shards are the masters (4/N bytes per parameter per process). Leave "
-                    "master_remainders=False."
-                )
             return self._sharded_masters("trainer")
         return self._copy_masters
 

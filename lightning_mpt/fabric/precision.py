@@ -14,7 +14,6 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt._plugin import (
-    FP8_UNDER_FSDP2,
     MixedPrecisionPlugin,
     check_sharded,
     lbfgs_unsupported,
@@ -22,6 +21,7 @@ from lightning_mpt._plugin import (
     unwrap,
 )
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, distributed, is_fully_sharded
+from lightning_mpt.core.masters.chunked import ChunkedGrads
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.fabric._module import ForwardModule
@@ -62,6 +62,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
             see the Trainer plugin and docs/fp8.md. Not with ``sharded=True``.
         fp8_filter: ``fn(module, fqn) -> bool``: convert only the eligible layers it accepts.
         fp8_emulate: emulate the fp8 matmuls (CPU, GPUs without fp8 Tensor Cores), never done silently.
+        chunked_step: step the masters a chunk of parameters at a time (see the Trainer plugin and docs/memory.md).
+            Clip with :meth:`clip_gradients`: ``fabric.clip_gradients`` clips fp32 gradients a chunked step never
+            holds all at once, and refuses.
+        master_remainders: store bf16 masters as their 16 low bits between steps (see the Trainer plugin).
 
     Example:
         ```python
@@ -91,6 +95,8 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         fp8: Any = None,
         fp8_filter: Optional[Callable[[Module, str], bool]] = None,
         fp8_emulate: bool = False,
+        chunked_step: Union[bool, int] = False,
+        master_remainders: bool = False,
     ) -> None:
         self._init_plugin(
             precision,
@@ -105,8 +111,9 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
             fp8_emulate,
         )
         _check_sharded(sharded, master_weights)
-        if sharded and self.fp8_config is not None:
-            raise ValueError(FP8_UNDER_FSDP2)
+        self._init_memory(chunked_step, master_remainders)
+        if sharded:
+            self._refuse_under_fsdp2()
         self.sharded = sharded
         self._module: Optional[Module] = None  # the converted module
         self._forward: Optional[ForwardModule] = None  # what convert_module returned for it (one device, DDP)
@@ -268,10 +275,50 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         """
         optimizer = self._checked(optimizer)
         pending = self._engine.decide(optimizer)
+        if isinstance(pending.grads, ChunkedGrads):
+            raise ValueError(
+                "fabric.clip_gradients clips the masters' fp32 gradients, and with MPTPrecision(chunked_step=...) the "
+                "step never holds them all at once. Clip with `fabric.strategy.precision.clip_gradients(optimizer, "
+                "max_norm=...)` (or `clip_val=...`): the same global norm, applied to each chunk at the step."
+            )
         if pending.skipped:
             with torch.no_grad():  # a skipped step is rare: no need for a fused kernel
                 for grad in pending.grads.fp32_grads():
                     grad.zero_()
+
+    def clip_gradients(
+        self, optimizer: Any, max_norm: Optional[float] = None, clip_val: Optional[float] = None
+    ) -> Optional[Tensor]:
+        """Clip ``optimizer``'s true gradients by their global 2-norm (``max_norm``) or by value (``clip_val``) before
+        its step, as ``fabric.clip_gradients`` does, also with ``chunked_step``; returns the total norm.
+
+        Example:
+            ```python
+            import lightning as L
+
+            mpt = MPTPrecision("bf16", chunked_step=True)
+            fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[mpt])
+            model = fabric.setup(torch.nn.Linear(4, 4))
+            optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+            fabric.backward(model(torch.randn(2, 4)).float().sum())
+            total_norm = mpt.clip_gradients(optimizer, max_norm=1.0)  # before optimizer.step()
+            ```
+        """
+        if (max_norm is None) == (clip_val is None):
+            raise ValueError("MPTPrecision.clip_gradients: give exactly one of max_norm and clip_val.")
+        optimizer = self._checked(optimizer)
+        grads = self._engine.decide(optimizer).grads
+        if not isinstance(grads, ChunkedGrads):
+            self.unscale_gradients(optimizer)
+            params = self.main_params(optimizer)
+            if max_norm is not None:
+                return torch.nn.utils.clip_grad_norm_(params, max_norm)
+            torch.nn.utils.clip_grad_value_(params, clip_val)  # type: ignore[arg-type]
+            return None
+        if max_norm is not None:
+            return grads.clip_by_norm(float(max_norm))
+        grads.clip_by_value(float(clip_val))  # type: ignore[arg-type]
+        return None
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step the masters with ``optimizer``, or skip the step when a gradient was non-finite on any process.

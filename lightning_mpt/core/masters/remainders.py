@@ -155,7 +155,9 @@ class RemainderMasters(ChunkedMasters):
     def broadcast(self, src: int = 0, refresh: bool = True) -> None:
         self.wake(list(self.masters))
         super().broadcast(src, refresh)
-        self.write_back(list(self.masters), list(self.masters.values()))
+        # without ``refresh`` the half weights are rank ``src``'s already and a forward's graph may hold them: only
+        # the remainders are split off
+        self._sleep(list(self.masters), list(self.masters.values()), write_halves=refresh)
 
     # ------------------------------------------------------------------ sleep and wake
     def wake(self, params: list[Tensor]) -> None:
@@ -174,12 +176,16 @@ class RemainderMasters(ChunkedMasters):
 
     def write_back(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """Put the masters of ``params`` to sleep: their half weights and remainders from them, their memory freed."""
+        self._sleep(params, masters)
+
+    def _sleep(self, params: list[Tensor], masters: list[Tensor], write_halves: bool = True) -> None:
         with torch.no_grad():
             for p, m in zip(params, masters):
                 if p in self.rems or self.masters.get(p) is not m:
                     continue
                 half, self.rems[p] = split(m)
-                p.copy_(half)
+                if write_halves:
+                    p.copy_(half)
                 self.prints[p] = fingerprint(half)
                 self._found.pop(p, None)
                 if id(m) in self._reusable:  # its gradient, if it keeps one, is a tensor of its own
