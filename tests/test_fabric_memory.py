@@ -75,6 +75,7 @@ def test_masters_stored_in_16_bits_equal_whole_steps_and_resume_exactly(tmp_path
     resumed, resumed_mpt, _ = train(steps=6, skip=3, load=tmp_path / "ckpt", master_remainders=True, chunked_step=64)
     assert all(torch.equal(a, b) for a, b in zip(weights(chunked, mpt), weights(resumed, resumed_mpt)))
 
+
 def test_fabric_clip_gradients_refuses_a_chunked_step_and_says_what_to_use():
     torch.manual_seed(0)
     mpt = MPTPrecision("bf16", chunked_step=64)
