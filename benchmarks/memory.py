@@ -17,7 +17,8 @@ their gradients, and the optimizer's state, each storage once. A tensor subclass
 the end of its optimizer step (``on_train_batch_end``): the precision plugin's work (copy to fp32, unscale, refresh of
 the half weights) and the optimizer's, temporaries included. :class:`StepPeak` counts the step's starting state as
 above, then replays the CPU allocator's own events (``torch.profiler`` with ``profile_memory=True``, turned on at
-the start of the step so that the gradients the step frees are known to it): every allocation in the window adds its
+the start of the step before, so that what the step frees, allocated by the backward or by the step before, is known
+to it): every allocation in the window adds its
 bytes, the free of a block allocated in the window or of a tensor of the starting state subtracts them. Frees of
 other tensors (the batch's logits) are left out, so the peak is not understated by what the step did not hold. On
 CUDA the window's ``torch.cuda.max_memory_allocated`` is reported as well.
@@ -211,14 +212,16 @@ class StepPeak(L.Callback):
         self._start: dict[int, int] = {}  # storage addresses of the state at the window's start
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step == self.at_step:
+        # a step early: the profiler reports the free of a block only if it saw its allocation, and the step frees
+        # what the previous one allocated (the 16-bit remainders of MPTPrecision(master_remainders=True))
+        if trainer.global_step == max(self.at_step - 1, 0) and self._profiler is None:
             self._profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
             )
             self._profiler.__enter__()
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._profiler is None or self._window is not None:
+        if self._profiler is None or self._window is not None or trainer.global_step != self.at_step:
             return
         tensors = state_tensors(trainer, pl_module)
         self._start = {storage(part): 0 for t in tensors for part in parts(t)}  # what a free in the window may be

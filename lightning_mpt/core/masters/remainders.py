@@ -49,15 +49,16 @@ def split(master: Tensor) -> tuple[Tensor, Tensor]:
         assert torch.equal(join(half, rem), tie)
         ```
     """
+    # in place where possible: the step splits a chunk of masters at a time, and its peak holds these temporaries
     bits = master.view(torch.int32)
     top = bits >> 16  # the truncated bf16 pattern, sign-extended
     low = bits & 0xFFFF
     high = low >= 0x8000
-    special = (top & _EXPONENT) == _EXPONENT  # an infinity or a NaN: never carried into another class
-    carry = high & ~special
-    half = (top + carry).to(torch.int16).view(torch.bfloat16)
-    rem = (low - carry.to(torch.int32) * 0x10000).masked_fill_(high & special, 0)  # a NaN's low payload is dropped
-    return half, rem.to(torch.int16)
+    carry = (top & _EXPONENT).ne_(_EXPONENT).logical_and_(high)  # an infinity or a NaN is never carried
+    top.add_(carry)
+    low.sub_(carry.to(torch.int16), alpha=0x10000)
+    low.masked_fill_(high.logical_xor_(carry), 0)  # high but not carried: a NaN, whose low payload is dropped
+    return top.to(torch.int16).view(torch.bfloat16), low.to(torch.int16)
 
 
 def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -74,11 +75,13 @@ def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
         assert torch.equal(join(*split(master)), master)
         ```
     """
-    r = rem.to(torch.int32)
-    bits = ((half.view(torch.int16).to(torch.int32) - (r < 0).to(torch.int32)) << 16) | (r & 0xFFFF)
     if out is None:
-        return bits.view(torch.float32)
-    out.view(torch.int32).copy_(bits)
+        out = torch.empty_like(half, dtype=torch.float32)
+    bits = out.view(torch.int32)  # built in place: the top half, less the borrow of a negative remainder, then the low
+    bits.copy_(half.view(torch.int16))
+    bits.add_(rem >> 15)  # -1 where the remainder is negative
+    bits.bitwise_left_shift_(16)
+    bits.bitwise_or_(rem.to(torch.int32).bitwise_and_(0xFFFF))
     return out
 
 
@@ -95,7 +98,8 @@ def fingerprint(half: Tensor) -> Tensor:
         ```
     """
     b = half.detach().view(torch.int16).to(torch.int32)
-    return torch.stack([b.sum(dtype=torch.int64), (b * b).sum(dtype=torch.int64)])
+    total = b.sum(dtype=torch.int64)
+    return torch.stack([total, b.mul_(b).sum(dtype=torch.int64)])
 
 
 class RemainderMasters(ChunkedMasters):
