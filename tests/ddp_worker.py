@@ -1,7 +1,7 @@
 """A 2-process CPU (gloo) training run for tests/test_ddp.py; each rank writes what it saw to ``OUT/rank<r>.json``.
 
 usage: python ddp_worker.py STRATEGY OUT PRECISION [--inject-step K --inject-rank R] [--model nonorm|mlp]
-                            [--accumulate N [--accumulate-fp32]] [--chunked] [--remainders] [--auto-scale]
+                            [--accumulate N [--accumulate-fp32]] [--chunked] [--remainders] [--fp8] [--auto-scale]
 
 PRECISION is ``mpt-fp16``, ``mpt-bf16`` or ``lightning-16-mixed`` (Lightning's MixedPrecision with a GradScaler).
 Per training batch a rank records the loss scale, whether the step was skipped, a SHA-1 of its fp32 weights (the
@@ -19,13 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from models import InjectInf, NoNormMLP, TinyMLP, quiet_trainer, regression_data
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import lightning_mpt.core.engine
 from lightning_mpt import DynamicLossScaler, MPTPrecision
-from lightning_mpt.callbacks import UnderflowMonitor
+from lightning_mpt.callbacks import Float8Monitor, UnderflowMonitor
 
 
 class CountingDist:
@@ -94,6 +95,7 @@ class Record(L.Callback):
             "weights_sha1": hashlib.sha1(flat.numpy().tobytes(), usedforsecurity=False).hexdigest(),
             "bytes": self.bytes[0],
             "param_dtypes": dtypes,
+            "fp8_layers": [n for n, m in module.named_modules() if type(m).__name__ == "Float8Linear"],
         })
         self.bytes[0] = 0
 
@@ -118,6 +120,7 @@ def main() -> None:
     p.add_argument("--accumulate-fp32", action="store_true", help="MPTPrecision(accumulate_fp32=True)")
     p.add_argument("--chunked", action="store_true", help="MPTPrecision(chunked_step=64): the step in chunks")
     p.add_argument("--remainders", action="store_true", help="MPTPrecision(master_remainders=True) (bf16)")
+    p.add_argument("--fp8", action="store_true", help="MPTPrecision(fp8=True, fp8_emulate=True), Float8Monitor (bf16)")
     p.add_argument("--auto-scale", action="store_true", help="DynamicLossScaler(init_scale='auto'), unequal gradients")
     args = p.parse_args()
 
@@ -127,6 +130,8 @@ def main() -> None:
         extra["chunked_step"] = 64
     if args.remainders:
         extra["master_remainders"] = True
+    if args.fp8:
+        extra.update(fp8=True, fp8_emulate=True)
     plugin = (
         MPTPrecision(args.precision[4:], **extra)
         if args.precision.startswith("mpt")
@@ -142,9 +147,11 @@ def main() -> None:
         devices=2,
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
+        logger=TensorBoardLogger(args.out / "tb", name="", version="run") if args.fp8 else False,
         plugins=[plugin],
         callbacks=[
             *([UnderflowMonitor(every_n_steps=1, reference_every_n_steps=1)] if args.reference else []),
+            *([Float8Monitor(every_n_steps=1)] if args.fp8 else []),
             Record(args.out),
             *([UnequalFirstGradients()] if args.auto_scale else []),
             InjectInf("net.0.weight", steps={args.inject_step}, rank=args.inject_rank),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from models import run_until_written
+from tb_events import all_scalars
 
 from lightning_mpt._compat import GRAD_DTYPE
 
@@ -71,9 +72,14 @@ def test_allreduced_gradients_are_half_precision(tmp_path, auto_scaled):
 
 def test_the_fp32_reference_leaves_ddp_intact(tmp_path):
     """UnderflowMonitor re-runs the batch in fp32 with the masters; DDP must keep reducing afterwards. The masters are
-    stored as 16-bit remainders and stepped in chunks: the ranks, which start from different weights, agree after the
-    plugin's broadcast, and the reference wakes every master at each step."""
-    rank0, rank1 = run_workers(tmp_path, "ddp", "mpt-bf16", "--reference", "--chunked", "--remainders")
+    stored as 16-bit remainders and stepped in chunks, and the eligible Linear computes in fp8 (torchao, emulated): the
+    ranks, which start from different weights, agree after the plugin's broadcast, the reference wakes every master at
+    each step, and Float8Monitor logs each step's casts (one launch serves all of it: the suite's time)."""
+    rank0, rank1 = run_workers(tmp_path, "ddp", "mpt-bf16", "--reference", "--chunked", "--remainders", "--fp8")
+    assert rank0[0]["fp8_layers"] == rank1[0]["fp8_layers"] == ["net.0"]  # Linear(16, 32); Linear(32, 4) unaligned
+    assert rank0[0]["param_dtypes"] == ["torch.bfloat16", "torch.float32"]  # half weights, fp32 LayerNorm
+    scale = all_scalars(tmp_path / "ddp-mpt-bf16" / "tb" / "run")["mpt/fp8/scale/net.0/input"]
+    assert len(scale) == 6
     assert len(rank0) == len(rank1) == 6
     assert [r["weights_sha1"] for r in rank0] == [r["weights_sha1"] for r in rank1]  # one all-reduced sum (see above)
     assert len({r["weights_sha1"] for r in rank0}) == 6  # and it trained
