@@ -93,7 +93,10 @@ MiB = 2**20
 # MPTPrecision("bf16", master_weights=False): the same autocast, fp32 norm layers and step logic, but the half
 # weights stepped directly. mpt-bf16 minus it is what the master weights cost; it minus "bf16-true" the rest.
 NOMASTER = "mpt-bf16-nomaster"
-ALL_PRECISIONS = (*PRECISIONS, NOMASTER)
+# the memory options against today's step (asked for by name: not in the defaults)
+CHUNKED = "mpt-bf16-chunked"  # MPTPrecision("bf16", chunked_step=True)
+REMAINDERS = "mpt-bf16-remainders"  # MPTPrecision("bf16", master_remainders=True, chunked_step=True)
+ALL_PRECISIONS = (*PRECISIONS, NOMASTER, CHUNKED, REMAINDERS)
 CPU_TRANSFORMER = ("32-true", "bf16-mixed", "bf16-true", "mpt-bf16", NOMASTER)  # CPUs have no fast fp16 matmul
 TRUE_OF = {"mpt-bf16": "bf16-true", "mpt-fp16": "16-true"}
 FAMILY = {"mpt-bf16": ("32-true", "bf16-mixed", "bf16-true", NOMASTER), "mpt-fp16": ("32-true", "16-mixed", "16-true")}
@@ -103,6 +106,8 @@ def precision_kwargs(name: str, accelerator: str) -> dict[str, Any]:
     """``time_steps`` arguments for one of :data:`ALL_PRECISIONS` (a fresh plugin each call: plugins hold state)."""
     if name == NOMASTER:
         return {"plugin": MPTPrecision("bf16", master_weights=False)}
+    if name in (CHUNKED, REMAINDERS):
+        return {"plugin": MPTPrecision("bf16", chunked_step=True, master_remainders=name == REMAINDERS)}
     setup = precision_setup(name, accelerator)
     return {"precision": setup.get("precision"), "plugin": next(iter(setup.get("plugins", [])), None)}
 
@@ -408,7 +413,8 @@ class Summary:
 
     def ratio_pairs(self, w: str) -> list[tuple[str, str]]:
         present = self.runs[w]
-        return [(m, b) for m in ("mpt-bf16", "mpt-fp16") if m in present for b in FAMILY[m] if b in present]
+        pairs = [(m, b) for m in ("mpt-bf16", "mpt-fp16") if m in present for b in FAMILY[m] if b in present]
+        return pairs + [(m, "mpt-bf16") for m in (CHUNKED, REMAINDERS) if m in present and "mpt-bf16" in present]
 
     def targets(self) -> list[Target]:
         out = []
@@ -841,7 +847,8 @@ def add_arguments(p: argparse.ArgumentParser, steps: int = 25, rounds: int = 5) 
         nargs="+",
         choices=[*ALL_PRECISIONS, "all"],
         help=f"default: all; on CPU the transformer runs 32-true and the bf16 ones only. {NOMASTER} is "
-        "MPTPrecision('bf16', master_weights=False) (the transformer runs it by default)",
+        f"MPTPrecision('bf16', master_weights=False) (the transformer runs it by default); {CHUNKED} and {REMAINDERS} "
+        "are MPTPrecision('bf16', chunked_step=True) and the same with master_remainders=True",
     )
     p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (the issue asks for at least 5)")
     p.add_argument(
