@@ -206,8 +206,9 @@ class RemainderMasters(ChunkedMasters):
         self.groups.invalidate()
 
     def release(self, drop: bool) -> None:
-        """Before a forward: also put the masters woken since the step to sleep. A weight edited since (a clamp in
-        ``on_train_batch_end``) is taken into its master value by value first, on the device."""
+        """Before a forward or a backward: also put the masters woken since the step to sleep. A weight edited since
+        (a clamp in ``on_train_batch_end``) is taken into its master value by value first, on the device; so the half
+        weights are the masters' already and are not written (a forward's graph may hold them)."""
         super().release(drop)
         awake = [p for p in self.masters if p not in self.rems]
         with torch.no_grad():
@@ -215,7 +216,7 @@ class RemainderMasters(ChunkedMasters):
                 m = self.masters[p]
                 edited = torch.ne(p.detach().view(torch.int16), split(m)[0].view(torch.int16))
                 m.copy_(torch.where(edited, p.detach().float(), m))
-        self.write_back(awake, [self.masters[p] for p in awake])
+        self._sleep(awake, [self.masters[p] for p in awake], write_halves=False)
 
     def in_chunks(self, optimizer: Optimizer) -> bool:
         return self.chunked and chunkable(optimizer)
