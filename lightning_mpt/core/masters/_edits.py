@@ -4,15 +4,25 @@ refresh undoing them. A half weight was edited when it differs from its master r
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from lightning_mpt import _compat
 
 
-def edit_flags(params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) -> Tensor:
+def edit_flags(
+    params: list[Tensor], masters: list[Tensor], scratch: list[Tensor], groups: Optional[list[list[int]]] = None
+) -> Tensor:
     """Whether each half weight differs from its rounded master, on the device (cast and compare in ``scratch``,
     which is overwritten). On CPU a single flag for all of them: :func:`edited_pairs` then finds which.
+
+    Args:
+        params: the half weights.
+        masters: their fp32 masters.
+        scratch: tensors like ``params``, overwritten (not used on CPU).
+        groups: the indices of ``params`` of each shape, when known (on CPU each group is compared at once).
 
     Example:
         ```python
@@ -23,14 +33,15 @@ def edit_flags(params: list[Tensor], masters: list[Tensor], scratch: list[Tensor
         assert edit_flags([w], [m], [torch.empty_like(w)]).all()
         ```
     """
-    _compat.foreach_copy_(scratch, masters)  # the masters rounded to the half format
     if not params:
         return torch.zeros(0, dtype=torch.bool)
     if params[0].device.type == "cpu":
         # CPUs emulate half arithmetic (60 ms for 3.4M values) and pay per tensor in Python: one comparison of the
         # bit patterns of everything, a single flag; which parameters were edited is worked out only if one was
-        flat = torch.cat([s.reshape(-1) for s in scratch]), torch.cat([p.detach().reshape(-1) for p in params])
-        return bits_differ(*flat).reshape(1)
+        if groups is None:
+            groups = _by_shape(params)
+        return _any_edited(params, masters, groups).reshape(1)
+    _compat.foreach_copy_(scratch, masters)  # the masters rounded to the half format
     flags = torch.zeros(len(params), dtype=torch.bool, device=params[0].device)
     full = [i for i, t in enumerate(scratch) if t.numel()]  # an empty tensor cannot be edited (nor normed)
     if full:  # one fused launch per op: difference, then each tensor's largest
@@ -42,6 +53,28 @@ def edit_flags(params: list[Tensor], masters: list[Tensor], scratch: list[Tensor
             else flags.index_copy(0, torch.tensor(full, device=flags.device), changed)
         )
     return flags
+
+
+def _by_shape(tensors: list[Tensor]) -> list[list[int]]:
+    """The indices of ``tensors`` grouped by shape."""
+    groups: dict[torch.Size, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.shape, []).append(i)
+    return list(groups.values())
+
+
+def _any_edited(params: list[Tensor], masters: list[Tensor], groups: list[list[int]]) -> Tensor:
+    """Whether any half weight differs from its master rounded (0-dim): the weights, and the masters, of one shape
+    (``groups``) stacked in one call each, not viewed or copied one by one from Python (which costs more than the
+    comparison), the masters rounded in one cast (the rounding of a copy into the half format). A group of mixed
+    dtypes is stacked in the widest: that may flag an unedited weight, never miss an edited one, and
+    :func:`edited_pairs` compares each weight exactly once a flag is up."""
+    with torch.no_grad():  # the weights' stack needs no autograd record
+        halves = [torch.stack([params[i] for i in idx]).reshape(-1) for idx in groups]
+        rounded = [torch.stack([masters[i] for i in idx]).reshape(-1).to(h.dtype) for idx, h in zip(groups, halves)]
+        if len(groups) == 1:
+            return bits_differ(halves[0], rounded[0])
+        return bits_differ(torch.cat(halves), torch.cat(rounded))
 
 
 def edit_flags_of(pairs: list[tuple[Tensor, Tensor]]) -> list[float]:

@@ -34,9 +34,15 @@ class GradientFlow:
     def add_master(self, param: Tensor, master: Tensor) -> None:
         raise NotImplementedError
 
-    def edit_flags(self, params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) -> Tensor:
+    def edit_flags(
+        self,
+        params: list[Tensor],
+        masters: list[Tensor],
+        scratch: list[Tensor],
+        groups: Optional[list[list[int]]] = None,
+    ) -> Tensor:
         """Whether each half weight of ``params`` differs from its master rounded (see :func:`edit_flags`)."""
-        return edit_flags(params, masters, scratch)
+        return edit_flags(params, masters, scratch, groups)
 
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """Round ``masters`` into their half parameters ``params``."""
@@ -55,11 +61,13 @@ class GradientFlow:
         out = Gradients(optimizer=optimizer)
         plan = self.collect(optimizer, out)
         edited = []
+        unscale: list[Tensor] = []  # flat buffers of master gradients, or the gradients themselves
         for start, stop in _chunks(out.params):
-            edited.append(self._to_fp32(out, start, stop, check_edits))
+            edited.append(self._to_fp32(out, start, stop, check_edits, unscale))
         if check_edits and edited:
-            out.edited = torch.cat(edited)
-        out.found_inf = _unscale_(out.fp32_grads(), 1.0 / scale, plan.device)
+            out.edited = edited[0] if len(edited) == 1 else torch.cat(edited)
+        unscale += [p.grad for p in out.own_params if p.grad is not None]
+        out.found_inf = _unscale_(unscale, 1.0 / scale, plan.device)
         if not _compat.GRAD_DTYPE and out.on_params:
             _compat.foreach_copy_(out.on_params, out.master_grads)  # hooks see the unscaled values, in the half format
         if not _compat.GRAD_DTYPE:  # hooks edit the half copies; clipping edits the master gradients
@@ -93,10 +101,11 @@ class GradientFlow:
                 out.own_params.append(p)
         return plan
 
-    def _to_fp32(self, out: Gradients, start: int, stop: int, check_edits: bool) -> Tensor:
+    def _to_fp32(self, out: Gradients, start: int, stop: int, check_edits: bool, unscale: list[Tensor]) -> Tensor:
         """Give ``out.params[start:stop]`` fp32 gradients (on their masters, and on themselves where torch allows it,
         which frees the half ones at once); the half gradients, dead once copied, are the scratch space of the check
-        for edited weights, whose flags are returned."""
+        for edited weights, whose flags are returned. What the unscale is to multiply goes into ``unscale``: the
+        flat buffer of the new gradients when they are views of one."""
         params, masters = out.params[start:stop], out.masters[start:stop]
         halves: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]  # prepare kept those with one
         # few Python objects and calls per step: every container allocated counts toward the cyclic garbage
@@ -109,9 +118,15 @@ class GradientFlow:
             if not usual or g.dtype != p.dtype or not g.is_contiguous():
                 usual = False
                 break
-        if usual:  # every gradient in its parameter's half format, as autograd leaves it
+        layout = self.groups.layouts.get(masters) if usual else None
+        if layout is not None:  # the usual case: one allocation, views of it (one unscale kernel)
+            flat, fp32 = layout.views(torch.float32, masters[0].device)
+            _compat.foreach_copy_(fp32, halves)
+            unscale.append(flat)
+        elif usual:  # every gradient in its parameter's half format, as autograd leaves it
             fp32 = [torch.empty_like(m) for m in masters]
             _compat.foreach_copy_(fp32, halves)
+            unscale.extend(fp32)
         else:  # a gradient already fp32 (left by the last step and accumulated into) is used in place
             fp32 = [
                 exact.get(id(g), g if g.dtype == torch.float32 else torch.empty_like(m))
@@ -120,6 +135,7 @@ class GradientFlow:
             todo = [i for i, (f, g) in enumerate(zip(fp32, halves)) if f is not g and id(g) not in exact]
             if todo:
                 _compat.foreach_copy_([fp32[i] for i in todo], [halves[i] for i in todo])
+            unscale.extend(fp32)
         flags = torch.zeros(0, dtype=torch.bool, device=params[0].device)
         if check_edits:
             scratch = (
@@ -130,7 +146,7 @@ class GradientFlow:
                     for g, p in zip(halves, params)
                 ]
             )
-            flags = self.edit_flags(params, masters, scratch)
+            flags = self.edit_flags(params, masters, scratch, None if layout is None else layout.groups)
         if _compat.GRAD_DTYPE:  # the parameters carry the fp32 gradients (their half ones are freed now)
             for p, m, f in zip(params, masters, fp32):
                 if p.grad_dtype is not None:

@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_mpt.core.masters._flat import FlatLayouts
+
 
 @dataclass
 class GroupPlan:
@@ -47,10 +49,12 @@ class GroupSwap:
         self.converted = converted
         self._plans: dict[Optimizer, GroupPlan] = {}
         self._param_of: dict[Tensor, Tensor] = {}  # master -> parameter: the groups may hold the masters right now
+        self.layouts = FlatLayouts()  # of the masters' fp32 gradients, one per range of an optimizer's masters
 
     def invalidate(self) -> None:
         """The masters changed (made, moved, dropped): plans are rebuilt at their next use."""
         self._plans.clear()
+        self.layouts.clear()  # it keeps the masters it was made for
         self._param_of = {m: p for p, m in self.masters.items()}
 
     def swap(self, optimizer: Optimizer, to_masters: bool) -> None:
@@ -61,11 +65,12 @@ class GroupSwap:
         plan = self.plan(optimizer)
         for params, mine, masters in plan.groups:
             params[:] = masters if to_masters else mine  # one slice assignment per group
-        state = optimizer.state
-        for p, m in plan.pairs:
+        state, pop = optimizer.state, optimizer.state.pop
+        for p, m in plan.pairs:  # one hash each way: Tensor.__hash__ is a Python call
             x, y = (p, m) if to_masters else (m, p)
-            if x in state:
-                state[y] = state.pop(x)
+            moved = pop(x, None)
+            if moved is not None:
+                state[y] = moved
 
     def plan(self, optimizer: Optimizer) -> GroupPlan:
         """Where ``optimizer``'s parameters with masters sit in its groups; rebuilt when the groups change."""

@@ -227,7 +227,13 @@ class RemainderMasters(ChunkedMasters):
             self.wake([p for p in params_of(optimizer) if p in self.masters])
         return super().prepare(optimizer, scale, check_edits)
 
-    def edit_flags(self, params: list[Tensor], masters: list[Tensor], scratch: list[Tensor]) -> Tensor:
+    def edit_flags(
+        self,
+        params: list[Tensor],
+        masters: list[Tensor],
+        scratch: list[Tensor],
+        groups: Optional[list[list[int]]] = None,
+    ) -> Tensor:
         """Per weight of ``params``: edited since its master was last written (asleep: its fingerprint changed, and
         the master has taken the edit already; awake: it differs from its master rounded as :func:`split` does)."""
         self._check([p for p in params if p in self.rems])

@@ -1,0 +1,125 @@
+"""The host time of the plugin's own step phases on an overhead-bound model, without Lightning, next to
+``torch.amp.GradScaler``'s ``unscale_`` + ``update`` on the same gradients.
+
+    python benchmarks/engine_overhead.py                        # deep_mlp (400 tensors), fp16 with a scaler
+    python benchmarks/engine_overhead.py --steps 200 --threads 1
+
+Each phase of every step is timed with ``time.perf_counter`` around the engine's calls (``decide``: the masters'
+``prepare`` and the one host sync; ``step``: ``enter``, the optimizer, ``exit``; ``release``), and the optimizer's
+own ``step`` alone is timed in the same loop and subtracted from ``step``. Reported per phase: median and
+``[min-max]`` over ``--rounds`` rounds of the per-round median over steps (a shared machine's noise hits single steps,
+the median over steps of a round filters most of it). The GradScaler baseline runs interleaved, one round each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_mpt.core.engine import MixedPrecisionEngine  # noqa: E402
+from lightning_mpt.core.masters.copies import CopyMasters  # noqa: E402
+from lightning_mpt.core.scaler import DynamicLossScaler  # noqa: E402
+
+
+def deep_mlp(depth: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+
+
+class Timed(torch.optim.AdamW):
+    """AdamW that times its own ``step`` (subtracted from the engine's step phase)."""
+
+    spent = 0.0
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+        t = time.perf_counter()
+        out = super().step(closure)
+        self.spent = time.perf_counter() - t
+        return out
+
+
+def mpt_round(steps: int, depth: int, width: int, dtype: torch.dtype) -> dict[str, list[float]]:
+    model = deep_mlp(depth, width)
+    engine = MixedPrecisionEngine(CopyMasters(dtype), DynamicLossScaler(init_scale=2.0**10))
+    engine.convert(model)
+    opt = Timed(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, width), torch.randn(16, width)
+    times: dict[str, list[float]] = {"decide": [], "step (plugin)": [], "release": [], "total": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.release_gradients(drop=True)
+        t1 = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype, enabled=False):
+            loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+        engine.scale_loss(loss).backward()
+        t2 = time.perf_counter()
+        pending = engine.decide(opt)
+        t3 = time.perf_counter()
+        engine.step(opt, pending)
+        t4 = time.perf_counter()
+        opt.zero_grad()
+        times["release"].append(t1 - t0)
+        times["decide"].append(t3 - t2)
+        times["step (plugin)"].append(t4 - t3 - opt.spent)
+        times["total"].append((t1 - t0) + (t3 - t2) + (t4 - t3 - opt.spent))
+    engine.restore()
+    return times
+
+
+def scaler_round(steps: int, depth: int, width: int) -> dict[str, list[float]]:
+    model = deep_mlp(depth, width)
+    opt = Timed(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y = torch.randn(16, width), torch.randn(16, width)
+    times: dict[str, list[float]] = {"unscale_+update": []}
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        t0 = time.perf_counter()
+        scaler.unscale_(opt)
+        t1 = time.perf_counter()
+        scaler.step(opt)
+        t2 = time.perf_counter()
+        scaler.update()
+        t3 = time.perf_counter()
+        opt.zero_grad()
+        times["unscale_+update"].append((t1 - t0) + (t2 - t1 - opt.spent) + (t3 - t2))
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--depth", type=int, default=200)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    per_round: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for times in (
+            mpt_round(args.steps, args.depth, args.width, dtype),
+            scaler_round(args.steps, args.depth, args.width),
+        ):
+            for name, values in times.items():
+                per_round.setdefault(name, []).append(1000 * statistics.median(values[args.warmup :]))
+    print(f"deep_mlp {args.depth} x Linear({args.width}, {args.width}), {args.dtype}, {args.rounds} rounds, ms/step")
+    for name, values in per_round.items():
+        print(f"  {name:18s} {statistics.median(values):7.3f}  [{min(values):.3f}-{max(values):.3f}]")
+
+
+if __name__ == "__main__":
+    main()
