@@ -198,7 +198,11 @@ def test_benchmark_tables(tmp_path: Path) -> None:
     # the memory table: half weights with fp32 masters (norm layers stay fp32), and every precision has a row
     assert mpt["masters"] == 4 * half
     assert mpt["weights"] == 2 * half + 4 * fp32
-    assert len([line for line in text.splitlines() if line.startswith("| transformer |")]) == 8
+    assert len([line for line in text.splitlines() if line.startswith("| transformer |")]) == 10
+    # the memory options: masters stored in 16 bits between steps, the half gradients kept for the chunked step
+    remainders = out["results"]["transformer"]["mpt-bf16-remainders"]
+    assert remainders["masters"] == 2 * half
+    assert out["results"]["transformer"]["mpt-bf16-chunked"]["masters"] == 4 * half
     nomaster = out["results"]["transformer"]["mpt-bf16-nomaster"]  # MPTPrecision("bf16", master_weights=False)
     assert nomaster["masters"] == 0
     assert nomaster["weights"] == mpt["weights"]
