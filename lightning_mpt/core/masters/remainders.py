@@ -154,6 +154,7 @@ class RemainderMasters(ChunkedMasters):
             if self.rems[p].device != p.device:
                 self.rems[p], self.prints[p] = self.rems[p].to(p.device), self.prints[p].to(p.device)
                 self._replace(p)
+                self.groups.invalidate()
         super().follow_devices()
 
     def broadcast(self, src: int = 0, refresh: bool = True) -> None:
@@ -183,6 +184,7 @@ class RemainderMasters(ChunkedMasters):
         self._sleep(params, masters)
 
     def _sleep(self, params: list[Tensor], masters: list[Tensor], write_halves: bool = True) -> None:
+        replaced = False
         with torch.no_grad():
             for p, m in zip(params, masters):
                 if p in self.rems or self.masters.get(p) is not m:
@@ -197,13 +199,15 @@ class RemainderMasters(ChunkedMasters):
                     m.untyped_storage().resize_(0)
                 else:  # someone may hold it (it came from the module or was handed out): it keeps its memory
                     self._replace(p)
+                    replaced = True
+        if replaced:  # once, not per master: the plans are rebuilt from every master
+            self.groups.invalidate()
 
     def _replace(self, p: Tensor) -> None:
         """Give ``p`` a new sleeping master: an fp32 tensor of its shape whose storage is empty until woken."""
         placeholder = torch.empty_like(p, dtype=torch.float32)
         placeholder.untyped_storage().resize_(0)
-        self.masters[p] = placeholder
-        self.groups.invalidate()
+        self.masters[p] = placeholder  # the caller invalidates the groups' plans
 
     def release(self, drop: bool) -> None:
         """Before a forward or a backward: also put the masters woken since the step to sleep. A weight edited since
