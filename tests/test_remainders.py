@@ -178,3 +178,26 @@ def test_the_plugin_refuses_what_remainders_cannot_do():
         MPTPrecision("bf16", master_weights=False, master_remainders=True)
     with pytest.raises(TypeError, match="expected a bool"):
         MPTPrecision("bf16", master_remainders=1)  # type: ignore[arg-type]
+
+
+def test_a_state_dict_loaded_between_steps_becomes_the_masters_exactly():
+    """``model.load_state_dict`` in the middle of training (the masters asleep): the loaded fp32 values become the
+    masters bit for bit, and the half weights their rounding (ties away from zero)."""
+    saved, loaded = {}, {}
+
+    class Reload(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, model: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 2:
+                saved.update({k: v.clone() for k, v in model.state_dict().items()})
+            if trainer.global_step == 4:
+                model.load_state_dict(saved)
+                plugin = trainer.precision_plugin
+                for n, p in model.named_parameters():
+                    loaded[n] = (plugin.master_of(p).clone(), p.detach().clone())
+
+    trainer = quiet_trainer(max_steps=5, plugins=[MPTPrecision("bf16", master_remainders=True)], callbacks=[Reload()])
+    trainer.fit(Net(), regression_data(n=40, d_in=8, d_out=1, batch_size=8))
+    assert loaded.keys() == saved.keys()
+    for name, (master, half) in loaded.items():
+        assert torch.equal(master, saved[name]), name
+        assert torch.equal(half, split(saved[name])[0] if half.dtype == torch.bfloat16 else saved[name]), name
