@@ -24,7 +24,7 @@ from lightning_mpt.core.config import (
     check_master_remainders,
 )
 from lightning_mpt.core.engine import MixedPrecisionEngine
-from lightning_mpt.core.fp8 import Float8Setup, check_fp8, check_fp8_device, convert_fp8
+from lightning_mpt.core.fp8 import Float8Setup, check_converted, check_fp8, check_fp8_device, convert_fp8
 from lightning_mpt.core.masters import Masters, params_of
 from lightning_mpt.core.masters.chunked import ChunkedMasters
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -121,9 +121,7 @@ class MixedPrecisionPlugin:
             self._engine.masters = ChunkedMasters(self._dtype, self.keep_fp32, chunk)
 
     def _refuse_under_fsdp2(self) -> None:
-        """A clear error for the options FSDP2 cannot take: fp8 (for now), the chunked step, 16-bit masters."""
-        if self._fp8 is not None:
-            raise ValueError(FP8_UNDER_FSDP2)
+        """A clear error for the options FSDP2 cannot take: the chunked step, 16-bit masters."""
         for option, value in (("chunked_step", self.chunked_step), ("master_remainders", self.master_remainders)):
             if value is not False:
                 raise ValueError(
@@ -142,9 +140,34 @@ class MixedPrecisionPlugin:
         """How the ``Linear`` layers compute in fp8 (``None``: they do not)."""
         return self._fp8
 
-    def _convert_fp8(self, module: Module) -> Module:
-        """Swap eligible ``Linear`` layers for torchao's ``Float8Linear`` (with ``fp8=``), before the masters are
-        taken: their weights become half weights with fp32 masters like any other."""
+    def convert_fp8(self, module: Module, fsdp: bool = False) -> Module:
+        """Swap ``module``'s eligible ``Linear`` layers for torchao's ``Float8Linear`` now, as the plugin's ``fp8=``
+        says (nothing without ``fp8=``). The plugin does it itself, except under FSDP2 with the Trainer: there the
+        layers must be converted before ``fully_shard``, in ``configure_model``.
+
+        Args:
+            module: the model or a part of it, not yet sharded; converted in place (a root ``Linear`` is returned
+                replaced).
+            fsdp: ``fully_shard`` shards it next: the recipes' tensorwise weights then all-gather in fp8.
+
+        Example:
+            ```python
+            def configure_model(self):
+                self.model = self.trainer.precision_plugin.convert_fp8(self.model, fsdp=True)
+                for block in self.model.blocks:
+                    fully_shard(block, mesh=self.device_mesh, mp_policy=self.trainer.precision_plugin.mp_policy)
+                fully_shard(self.model, mesh=self.device_mesh, mp_policy=self.trainer.precision_plugin.mp_policy)
+            ```
+        """
+        return convert_fp8(module, self._fp8, fsdp)
+
+    def _convert_fp8(self, module: Module, sharded: bool = False) -> Module:
+        """Swap eligible ``Linear`` layers for ``Float8Linear`` before the masters are taken (their weights become
+        half weights with fp32 masters like any other); a module FSDP2 sharded already is only checked."""
+        if sharded:
+            fix = f"call `{self._access}.convert_fp8(module, fsdp=True)` before fully_shard."
+            check_converted(module, self._fp8, fix)
+            return module
         return convert_fp8(module, self._fp8)
 
     def _check_fp8_device(self, device: torch.device) -> None:
@@ -339,13 +362,6 @@ class MixedPrecisionPlugin:
     def __repr__(self) -> str:
         name = "fp16" if self._dtype == torch.float16 else "bf16"
         return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
-
-
-FP8_UNDER_FSDP2 = (
-    "MPTPrecision(fp8=...) is not supported under FSDP2 (ModelParallelStrategy) yet: the Linear layers must become "
-    "torchao's Float8Linear before fully_shard, and the plugin converts after it. Use fp8 on one device or with DDP, "
-    "or MPTPrecision('bf16') under FSDP2 (docs/fp8.md)."
-)
 
 
 def unwrap(optimizer: Any) -> Any:

@@ -24,7 +24,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_mpt import _averaging, _compat
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
 from lightning_mpt.core.config import check_overflow_retries
-from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Masters, is_fully_sharded
+from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, is_fully_sharded
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
@@ -133,20 +133,14 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         strategy = trainer.strategy if trainer is not None else None
         if strategy is not None:
             check_strategy(strategy)
-        self._engine.masters = self._masters_for(module, strategy)
-        module = self._convert_fp8(module)  # Float8Linear keeps the Linear's parameters: they get masters next
+        sharded = _sharded(module, strategy)
+        self._engine.masters = self._sharded_masters("trainer") if sharded else self._copy_masters
+        # Float8Linear keeps the Linear's parameters: they get masters next (under FSDP2 it is converted before
+        # fully_shard, in configure_model, and only checked here)
+        module = self._convert_fp8(module, sharded)
         # Lightning loads a checkpoint's weights before it converts the module (strategies that restore after set-up
         # load them into the converted module, where the load hook sees them)
         return self._engine.convert(module, restored=trainer is not None and trainer.ckpt_path is not None)
-
-    def _masters_for(self, module: Module, strategy: Any) -> Masters:
-        """FSDP2's own fp32 shards under ``ModelParallelStrategy`` (or for a module sharded with ``fully_shard``),
-        an fp32 copy otherwise."""
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        if isinstance(strategy, ModelParallelStrategy) or is_fully_sharded(module):
-            return self._sharded_masters("trainer")
-        return self._copy_masters
 
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -298,3 +292,10 @@ def check_strategy(strategy: Any) -> None:
         raise ValueError(
             f"MPTPrecision does not support the {type(strategy).__name__} strategy. {supported_strategies('trainer')}"
         )
+
+
+def _sharded(module: Module, strategy: Any) -> bool:
+    """Whether FSDP2 shards ``module``: under ``ModelParallelStrategy``, or sharded with ``fully_shard`` by hand."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy) or is_fully_sharded(module)

@@ -22,12 +22,16 @@ Runs:
                                     from a sharded (distributed) and from a full checkpoint
   logger-fsdp, logger-hsdp, ...     MixedPrecisionLogger at every step on the fp16 MLP (its reference every other)
   meta                              the MLP created on the meta device, materialized by the strategy
+  fp8-fsdp, fp8-ddp                 the small transformer, 6 steps, its Linear layers in fp8 (torchao, emulated):
+                                    MPTPrecision("bf16", sharded=True, fp8=True) converts them before the
+                                    parallelize_fn shards them (fp8 all-gather); DDP
   unsharded                         sharded=True with a parallelize_fn that shards nothing: the plugin's error
   one-process-mesh                  Fabric's default mesh on one node (1 x 2): fully_shard spans one process: the error
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -374,6 +378,22 @@ def meta_init(out: Path) -> None:
     write(out, "meta", fabric, {"rows": rows, "meta": meta})
 
 
+def fp8(out: Path) -> None:
+    for name, strategy, sharded in [("fp8-fsdp", "fsdp", True), ("fp8-ddp", "ddp", False)]:
+        plugin = MPTPrecision("bf16", sharded=sharded, fp8=True, fp8_emulate=True)
+        fabric, model, optimizer = make(strategy, plugin, Net)
+        gathered: dict[str, str] = {}  # layer -> type of its weight in the forward (FSDP2's all-gathered copy)
+
+        def seen(name: str, layer: nn.Module, args: Any) -> None:  # after FSDP2's own pre-hook: the gathered weight
+            gathered.setdefault(name, type(layer.weight).__name__)
+
+        for layer_name, layer in model.named_modules():
+            if type(layer).__name__ == "Float8Linear":
+                layer.register_forward_pre_hook(functools.partial(seen, layer_name))
+        rows = train(fabric, model, optimizer, Net, range(6))
+        write(out, name, fabric, {"rows": rows, "gathered": gathered})
+
+
 def misconfigured(out: Path) -> None:
     """``unsharded``: a parallelize_fn that shards nothing; ``one-process-mesh``: Fabric's default mesh on one node
     (data parallel 1 x tensor parallel 2), over which fully_shard shards nothing across processes."""
@@ -396,7 +416,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     try:
-        for scenario in (compare_bf16, compare_fp16, accumulated, resume, logged, meta_init, misconfigured):
+        for scenario in (compare_bf16, compare_fp16, accumulated, resume, logged, meta_init, fp8, misconfigured):
             scenario(out)
     except BaseException:
         (out / f"error-rank{rank()}").write_text(traceback.format_exc())

@@ -18,6 +18,9 @@ Scenarios:
   init        a model created on the meta device, materialized and sharded; the sharded state dict's keys.
   unsharded   a configure_model that shards nothing: the plugin's error, on both ranks.
   memory      benchmarks/memory_fsdp.py --fast in these processes: per-rank bytes per parameter, to OUT/memory.json.
+  fp8         the small transformer with fp8 Linear layers (torchao, emulated), converted in configure_model before
+              fully_shard: 2 epochs of 4 steps under FSDP2 with Float8Monitor and a checkpoint per epoch, resumed
+              from the first; the same under DDP, where the plugin converts the layers itself.
 """
 
 from __future__ import annotations
@@ -122,6 +125,15 @@ class Seq2Seq(Sharded):
         return loss
 
 
+class Seq2SeqFp8(Seq2Seq):
+    """:class:`Seq2Seq` whose Linear layers become fp8 (the plugin's ``fp8=``) before FSDP2 shards them."""
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:  # under DDP the plugin converts them itself
+            self.model = self.trainer.precision_plugin.convert_fp8(self.model, fsdp=True)
+        super().configure_model()
+
+
 class MLP(Sharded):
     """Linear -> LayerNorm -> ReLU -> Linear regression (tiny: fp16 matmuls are slow on CPU)."""
 
@@ -181,10 +193,12 @@ class Record(L.Callback):
         self.rows: list[dict[str, Any]] = []
         self.batch = ""
         self.compute: dict[str, str] = {}  # module type -> dtype of its weight during the forward (FSDP's copy)
+        self.weight_types: dict[str, str] = {}  # module type -> type of that weight (torchao's fp8 tensor: fp8 copy)
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         def seen(m: nn.Module, args: Any) -> None:
             self.compute.setdefault(type(m).__name__, str(m.weight.dtype))
+            self.weight_types.setdefault(type(m).__name__, type(m.weight).__name__)
 
         for m in module.modules():
             if isinstance(m, (nn.Linear, nn.LayerNorm)):
@@ -222,6 +236,7 @@ class Record(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         extra = {"norms": getattr(module, "norms", None), "compute": self.compute, "param_types": self.param_types}
+        extra["weight_types"] = self.weight_types
         write(self.dir, trainer.global_rank, {"rows": self.rows, **extra})
 
 
@@ -526,6 +541,29 @@ def memory_bytes(out: Path) -> None:
     memory_fsdp.main(["--fast", "--modes", *modes, "--json", str(out / "memory.json")])
 
 
+def fp8(out: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_mpt.callbacks import Float8Monitor
+
+    def plugin() -> MPTPrecision:
+        return MPTPrecision("bf16", fp8=True, fp8_emulate=True)
+
+    data = token_data(n=64, seq=8, vocab=16, batch_size=8)  # 4 steps per epoch on 2 ranks
+    saver = ModelCheckpoint(dirpath=out / "ckpt-fp8", filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    monitor = Float8Monitor(every_n_steps=1)
+    logger = TensorBoardLogger(out / "tb-fp8", name="", version="run")
+    epochs: dict[str, Any] = {"max_steps": -1, "max_epochs": 2}
+    L.seed_everything(0, verbose=False)
+    kept = {"callbacks": (saver, monitor), "logger": logger, "enable_checkpointing": True}
+    run(out, "fp8-fsdp", Seq2SeqFp8(), fsdp(), plugin(), data, **kept, **epochs)
+    path = str(out / "ckpt-fp8" / "epoch=0.ckpt")
+    L.seed_everything(0, verbose=False)
+    run(out, "fp8-fsdp-resumed", Seq2SeqFp8(), fsdp(), plugin(), data, ckpt_path=path, **epochs)
+    L.seed_everything(0, verbose=False)
+    run(out, "fp8-ddp", Seq2SeqFp8(), "ddp", plugin(), data, **epochs)
+
+
 SCENARIOS = {
     "compare": compare,
     "inject": inject,
@@ -536,6 +574,7 @@ SCENARIOS = {
     "init": init,
     "unsharded": unsharded,
     "memory": memory_bytes,
+    "fp8": fp8,
 }
 
 

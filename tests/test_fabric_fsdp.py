@@ -230,6 +230,24 @@ def test_a_model_created_on_the_meta_device_is_materialized_in_fp32_and_trains(o
     assert len({r["masters"] for r in rows_}) == 4  # every step moved the weights
 
 
+def test_fp8_layers_are_converted_before_sharding_and_train_as_under_ddp(out):
+    pytest.importorskip("torchao.float8")
+    fsdp, ddp = seen(out, "fp8-fsdp"), seen(out, "fp8-ddp")
+    layers = ["transformer.encoder.layers.0.linear1", "transformer.encoder.layers.0.linear2"]
+    layers += ["transformer.decoder.layers.0.linear1", "transformer.decoder.layers.0.linear2", "out"]
+    # the plugin converted them (sharded=True: before the parallelize_fn), and FSDP2 gathered them in fp8
+    for run in (fsdp, ddp):  # named in Fabric's wrappers (and DDP's): the module's own names after the last one
+        assert sorted(name.split("module.")[-1] for name in run["gathered"]) == sorted(layers)
+    assert set(fsdp["gathered"].values()) == {"Float8TrainingTensor"}
+    assert set(ddp["gathered"].values()) == {"Parameter"}  # DDP: the bf16 weight, cast to fp8 in the matmul
+    assert fsdp["rows"][0]["dtypes"] == ["torch.float32"]
+    # fp8 casts of the fp32 shards (FSDP2) and of the bf16 weights (DDP) differ by fp8's rounding at most
+    for a, b in zip(fsdp["rows"], ddp["rows"]):
+        assert a["batch"] == b["batch"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.01)
+    assert fsdp["rows"][-1]["loss"] < fsdp["rows"][0]["loss"]
+
+
 def test_a_parallelize_fn_that_shards_nothing_gets_the_fabric_instructions(out):
     error = seen(out, "unsharded")["error"]
     assert "no FSDP2 module: the parallelize_fn of ModelParallelStrategy did not shard anything" in error

@@ -56,7 +56,7 @@ def training(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return worker(tmp_path_factory.mktemp("fsdp-ckpt"), "checkpoint", "crossload", "init", "unsharded")
+    return worker(tmp_path_factory.mktemp("fsdp-ckpt"), "checkpoint", "crossload", "init", "unsharded", "fp8")
 
 
 def read(out: Path, run: str, rank: int) -> dict[str, Any]:
@@ -402,6 +402,93 @@ def test_fsdp_transformer_example(tmp_path):
     tags = acc.Tags()["scalars"]
     assert {"train_loss", "mpt/loss_scale", "mpt/skipped_steps", "mpt/overflow"} <= set(tags)
     assert acc.Scalars("mpt/loss_scale")[0].value == summary["first_loss_scale"]
+
+
+# ---------------------------------------------------------------------------------------------------- fp8 (torchao)
+
+
+def test_fp8_layers_train_under_fsdp2_with_fp8_all_gather_as_under_ddp(checkpoints):
+    pytest.importorskip("torchao.float8")
+    from tb_events import all_scalars
+
+    for rank in (0, 1):
+        fsdp, ddp = rows(checkpoints, "fp8-fsdp", rank), rows(checkpoints, "fp8-ddp", rank)
+        assert len(fsdp) == len(ddp) == 8
+        assert [r["batch"] for r in fsdp] == [r["batch"] for r in ddp]
+        # FSDP2 casts each fp32 shard to fp8 for its all-gather, DDP the bf16 weight: the casts differ where the
+        # master and its bf16 rounding scale to different fp8 values, so the losses agree to fp8's precision
+        for a, b in zip(fsdp, ddp):
+            assert rel(a["loss"], b["loss"]) < 0.01
+        assert fsdp[-1]["loss"] < 0.95 * fsdp[0]["loss"]
+        seen = read(checkpoints, "fp8-fsdp", rank)
+        # the layers FSDP2 gathers for the forward are torchao's fp8 tensors: the all-gather moved fp8 bytes
+        assert seen["weight_types"]["Float8Linear"] == "Float8TrainingTensor"
+        assert seen["weight_types"]["FSDPLayerNorm"] == "Parameter"
+        assert fsdp[0]["master_dtypes"] == ["torch.float32"]  # FSDP2's fp32 shards are the masters
+    scalars = all_scalars(checkpoints / "tb-fp8" / "run")
+    layers = {k.split("/")[3] for k in scalars if k.startswith("mpt/fp8/amax/")}
+    assert layers == {
+        "model.out",
+        *(f"model.transformer.{part}.layers.0.linear{i}" for part in ("encoder", "decoder") for i in (1, 2)),
+    }
+    # the weight's statistics come from the fp32 shards, reduced over both ranks: the largest |master| of the whole
+    # weight is what torchao's all-reduced amax made the scale of (448 / amax, in float32)
+    for layer in layers:
+        amax = scalars[f"mpt/fp8/amax/{layer}/weight"]
+        scale = scalars[f"mpt/fp8/scale/{layer}/weight"]
+        assert len(amax) == 8
+        for a, sc in zip(amax, scale):
+            assert sc == pytest.approx(float(torch.tensor(448.0 / a, dtype=torch.float32)), rel=1e-6)
+    assert max(scalars["mpt/fp8/saturated_fraction"]) == 0.0
+
+
+def test_fp8_under_fsdp2_resumes_bitwise(checkpoints):
+    pytest.importorskip("torchao.float8")
+    for rank in (0, 1):
+        straight, resumed = rows(checkpoints, "fp8-fsdp", rank), rows(checkpoints, "fp8-fsdp-resumed", rank)
+        assert len(resumed) == 4
+        keys = ("step", "loss", "masters", "state")
+        assert [[r[k] for k in keys] for r in straight[4:]] == [[r[k] for k in keys] for r in resumed]
+
+
+def test_fp8_layers_sharded_before_conversion_are_refused_with_the_fix(one_process):
+    pytest.importorskip("torchao.float8")
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    plugin = MPTPrecision("bf16", fp8=True, fp8_emulate=True)
+    fully_shard(model, mp_policy=plugin.mp_policy)
+    fix = r"the Linear layers 0, 2 were sharded by fully_shard before .*trainer.precision_plugin.convert_fp8\(module, "
+    with pytest.raises(ValueError, match=fix):
+        plugin.convert_module(model)
+
+
+@pytest.mark.parametrize(("recipe", "gathered"), [("tensorwise", True), ("rowwise", False)])
+def test_fp8_converted_before_fully_shard(one_process, recipe, gathered):
+    """Tensorwise weights all-gather in fp8 (torchao's ``enable_fsdp_float8_all_gather``); rowwise ones cannot."""
+    pytest.importorskip("torchao.float8")
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    plugin = MPTPrecision("bf16", fp8=recipe, fp8_emulate=True)
+    model = plugin.convert_fp8(model, fsdp=True)
+    assert [type(m).__name__ for m in model] == ["Float8Linear", "LayerNorm", "Float8Linear"]
+    assert model[0].config.enable_fsdp_float8_all_gather is gathered
+    fully_shard(model, mp_policy=plugin.mp_policy)
+    plugin.convert_module(model)  # checked, accepted
+    assert plugin.master_of(model[0].weight) is model[0].weight
+    kinds = []
+    model[0].register_forward_pre_hook(lambda m, args: kinds.append(type(m.weight).__name__))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 16)).float().sum().backward()
+    assert kinds == ["Float8TrainingTensor" if gathered else "Parameter"]
+    assert model[0].weight.grad.dtype == torch.float32
+    plugin.teardown()
+
+
+def test_fp8_converted_for_fsdp2_is_refused_without_it():
+    pytest.importorskip("torchao.float8")
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True, .* not sharded with FSDP2"):
+        MPTPrecision("bf16", fp8=config).convert_module(nn.Sequential(nn.Linear(16, 32)))
 
 
 # ---------------------------------------------------------------------------------------------------- in one process

@@ -151,19 +151,57 @@ def eligible(module: nn.Module) -> bool:
     return out_features % ALIGNMENT == 0 and in_features % ALIGNMENT == 0
 
 
-def convert_fp8(module: nn.Module, setup: Optional[Float8Setup]) -> nn.Module:
+def convert_fp8(module: nn.Module, setup: Optional[Float8Setup], fsdp: bool = False) -> nn.Module:
     """Swap the eligible ``Linear`` layers of ``module`` that ``setup``'s filter accepts for torchao's
-    ``Float8Linear``, in place (a root ``Linear`` is returned replaced). Nothing happens when ``setup`` is ``None``."""
+    ``Float8Linear``, in place (a root ``Linear`` is returned replaced). Nothing happens when ``setup`` is ``None``.
+
+    Args:
+        module: the model, not yet sharded.
+        setup: the checked ``fp8=`` argument.
+        fsdp: FSDP2's ``fully_shard`` shards ``module`` next: with a recipe's tensorwise weights, torchao all-gathers
+            the weights in fp8 (``enable_fsdp_float8_all_gather``), half the bytes of bf16. A config made by hand is
+            used as it is.
+    """
     if setup is None:
         return module
     float8 = _torchao_float8()
+    config = setup.config
+    if fsdp and setup.recipe != "custom" and config.cast_config_weight.scaling_granularity.name == "TENSORWISE":
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    if not fsdp and config.enable_fsdp_float8_all_gather:
+        raise ValueError(
+            "MPTPrecision(fp8=...): the Float8LinearConfig has enable_fsdp_float8_all_gather=True, which wraps the "
+            "weights for FSDP2's fp8 all-gather, but the model is not sharded with FSDP2. Leave it False on one device "
+            "and under DDP."
+        )
+    converted: nn.Module = float8.convert_to_float8_training(module, module_filter_fn=accepts(setup), config=config)
+    return converted
+
+
+def accepts(setup: Float8Setup) -> Filter:
+    """The filter of the layers ``setup`` converts: eligible, and accepted by the user's filter."""
     user = setup.user_filter
 
     def accept(layer: nn.Module, fqn: str) -> bool:
         return eligible(layer) and (user is None or bool(user(layer, fqn)))
 
-    converted: nn.Module = float8.convert_to_float8_training(module, module_filter_fn=accept, config=setup.config)
-    return converted
+    return accept
+
+
+def check_converted(module: nn.Module, setup: Optional[Float8Setup], fix: str) -> None:
+    """Raise a clear error when ``module``, sharded by FSDP2 already, still has ``Linear`` layers that ``setup`` would
+    convert: they must become ``Float8Linear`` before ``fully_shard`` (``fix`` says how)."""
+    if setup is None:
+        return
+    accept = accepts(setup)
+    left = [name or "(root)" for name, layer in module.named_modules() if accept(layer, name)]
+    if left:
+        shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        raise ValueError(
+            f"MPTPrecision(fp8=...) under FSDP2: the Linear layers {shown} were sharded by fully_shard before they "
+            "became torchao's Float8Linear, and a sharded layer cannot be swapped. Convert them before sharding: "
+            f"{fix}"
+        )
 
 
 def is_float8(module: nn.Module) -> bool:

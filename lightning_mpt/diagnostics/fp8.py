@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Optional
 
 import torch
@@ -76,15 +77,25 @@ def cast_counts(x: Tensor, dtype: torch.dtype, scale: Tensor) -> Tensor:
     return torch.stack([*counts, numel])
 
 
-def role_values(x: Tensor, cast_config: Any, power_of_2: bool) -> Tensor:
+def role_values(x: Tensor, cast_config: Any, power_of_2: bool, scale: Optional[Tensor] = None) -> Tensor:
     """``[amax, scale, *cast_counts]`` of the tensor ``x`` of a role with torchao's ``CastConfig`` (rowwise: each row
-    of the last dimension has its scale, as torchao's cast for the output and grad_input matmuls)."""
+    of the last dimension has its scale, as torchao's cast for the output and grad_input matmuls).
+
+    ``scale``: the scale torchao used, when ``x`` is one process's shard of the tensor it scaled (FSDP2's fp8
+    all-gather scales each shard with the whole weight's scale)."""
     rowwise = cast_config.scaling_granularity.name == "AXISWISE"
     x = x.detach().reshape(-1, x.shape[-1]) if x.dim() > 1 else x.detach()
     dtype = cast_config.target_dtype
-    scale = tensorwise_scale(x, dtype, dim=-1 if rowwise else None, power_of_2=power_of_2)
-    amax = x.abs().max().double()
+    if scale is None:
+        scale = tensorwise_scale(x, dtype, dim=-1 if rowwise else None, power_of_2=power_of_2)
+    amax = x.abs().amax().double() if x.numel() else torch.zeros((), dtype=torch.float64, device=x.device)
     return torch.cat([torch.stack([amax, scale.min().double()]), cast_counts(x, dtype, scale)])
+
+
+def is_float8_tensor(x: Any) -> bool:
+    """Whether ``x`` is torchao's fp8 training tensor (what FSDP2's fp8 all-gather makes of a weight)."""
+    loaded = sys.modules.get("torchao.float8.float8_training_tensor")
+    return loaded is not None and isinstance(x, loaded.Float8TrainingTensor)
 
 
 class Float8Statistics:
@@ -108,6 +119,7 @@ class Float8Statistics:
         self.per_layer = per_layer
         self.stat = Statistic(owner, f"the fp8 cast statistics ({tags.FP8}/...)", strict)
         self.layers: list[tuple[str, nn.Module]] = []
+        self._shards: list[Any] = []
         self._handles: list[RemovableHandle] = []
         self._values: dict[tuple[int, int], Tensor] = {}
         self._step: Optional[int] = None
@@ -115,6 +127,8 @@ class Float8Statistics:
     def set_up(self, session: DiagnosticSession, module: nn.Module) -> None:
         """Find the converted layers; warn once when there are none."""
         self.layers = float8_layers(module)
+        # FSDP2's sharded weights, registered between forwards: an fp8 all-gather casts their local shards
+        self._shards = [layer.weight if hasattr(layer.weight, "to_local") else None for _, layer in self.layers]
         if not self.layers:
             session.warn_once(
                 f"{self.stat.owner}: the model has no fp8 (torchao Float8Linear) layers; no {tags.FP8}/ statistics. "
@@ -141,7 +155,10 @@ class Float8Statistics:
                 if torch.is_autocast_enabled() and x.is_cuda:  # what Float8Linear.forward does first
                     x = x.to(torch.get_autocast_dtype("cuda"))
                 self._measure(index, 0, x, config.cast_config_input, config)
-                self._measure(index, 1, weight, config.cast_config_weight, config)
+                scale, shard = None, self._shards[index]
+                if is_float8_tensor(weight) and shard is not None:  # all-gathered in fp8 from each rank's shard
+                    weight, scale = shard.to_local(), weight._scale
+                self._measure(index, 1, weight, config.cast_config_weight, config, scale)
                 if isinstance(output, Tensor) and output.requires_grad:
                     output.register_hook(self._grad_hook(index, config, self._step))
 
@@ -155,9 +172,11 @@ class Float8Statistics:
 
         return hook
 
-    def _measure(self, index: int, role: int, x: Tensor, cast_config: Any, config: Any) -> None:
+    def _measure(
+        self, index: int, role: int, x: Tensor, cast_config: Any, config: Any, scale: Optional[Tensor] = None
+    ) -> None:
         if cast_config.scaling_type.name != "DISABLED":
-            self._values[(index, role)] = role_values(x, cast_config, config.round_scales_to_power_of_2)
+            self._values[(index, role)] = role_values(x, cast_config, config.round_scales_to_power_of_2, scale)
 
     def after_backward(self, recorder: Recorder) -> None:
         """Remove the hooks and queue what they measured, at the step they were armed at, for the recorder's next

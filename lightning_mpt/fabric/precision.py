@@ -148,6 +148,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
             )
         self._ready = False
         if self.sharded:  # the strategy shards it next: nothing to cast, no replica to make equal across processes
+            module = self.convert_fp8(module, fsdp=True)  # before the strategy's parallelize_fn shards it
             self._module = module
             self._engine.masters = self._sharded_masters("fabric")
             self._params, self._synced = set(), True
