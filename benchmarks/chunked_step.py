@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2**18)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
     args = parser.parse_args()
     configs = {
         "whole step": {},
@@ -109,7 +110,7 @@ def main() -> None:
     }
     print("| precision | configuration | bytes/param at the step | step time / whole step: median [min-max] |")
     print("|---|---|--:|--:|")
-    for precision in ("bf16", "fp16"):
+    for precision in args.precisions:
         names = [n for n in configs if precision == "bf16" or "remainders" not in n]
         ratios: dict[str, list[float]] = {n: [] for n in names}
         sizes: dict[str, float] = {}

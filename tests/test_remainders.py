@@ -22,6 +22,10 @@ from lightning_mpt.core.masters.remainders import fingerprint, join, split
 def test_split_and_join_are_exact_and_round_ties_away_from_zero():
     # every 4099th 32-bit pattern (about a million, every exponent), and ties of both signs
     patterns = torch.arange(-(2**31), 2**31, 4099, dtype=torch.int64).to(torch.int32)
+    # and the edges: the largest NaN patterns (whose carry would wrap to a zero), NaNs whose top half reads as an
+    # infinity, the largest finite value rounding to an infinity
+    edges = [0x7FFF8000, 0x7FFFFFFF, -1, -32768, 0x7F808000, 0x7F800001, -8355840, 0x7F7F8000, 0x7F7FFFFF]
+    patterns = torch.cat([patterns, torch.tensor(edges, dtype=torch.int32)])
     values = patterns.view(torch.float32)
     half, rem = split(values)
     assert rem.dtype == torch.int16
@@ -29,6 +33,9 @@ def test_split_and_join_are_exact_and_round_ties_away_from_zero():
     finite = torch.isfinite(values)
     assert torch.equal(join(half, rem).view(torch.int32)[finite], patterns[finite])  # bit for bit
     assert not torch.isfinite(join(half, rem)[~finite]).any()  # a NaN or an infinity stays non-finite
+    assert not torch.isfinite(half[~finite]).any()  # and so does its half weight
+    assert torch.equal(half[torch.isinf(values)].float(), values[torch.isinf(values)])  # infinities stay infinities
+    assert torch.isinf(split(torch.tensor([3.4028235e38]))[0]).all()  # the largest float rounds up to an infinity
     ties = (patterns & ~0xFFFF) | 0x8000
     tie_values = ties.view(torch.float32)
     tie_half, tie_rem = split(tie_values)

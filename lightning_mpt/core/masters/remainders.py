@@ -6,8 +6,8 @@ lies in ``[-0x8000, 0x7FFF]``: an ``int16``. :func:`join` undoes it exactly, bit
 even instead, and no 16-bit storage can be exact with that rounding: a bf16 value whose last bit is 0 is the rounding
 of 65,537 fp32 values (both ties round to it). So the half weights differ from ``master.to(torch.bfloat16)`` exactly
 when the master's low 16 bits are ``0x8000`` (one value in 65,536), by one bf16 step away from zero. Non-finite masters
-are truncated, never carried into another class: an infinity stays infinite, a NaN stays non-finite (a NaN may lose
-its payload's low bits, and one whose top half reads as an infinity comes back as that infinity).
+stay non-finite, and so do their half weights: an infinity has no low bits to carry, and a NaN's pattern plus one is a
+NaN, except for the two largest patterns, which are truncated (their NaN comes back with another payload).
 
 :class:`RemainderMasters` keeps each master asleep between steps: the half weight plus its remainder, 4 bytes per
 parameter instead of 6. A master is woken (rebuilt in fp32) for its step, a chunk at a time with the chunked step, and
@@ -49,16 +49,23 @@ def split(master: Tensor) -> tuple[Tensor, Tensor]:
         assert torch.equal(join(half, rem), tie)
         ```
     """
-    # in place where possible: the step splits a chunk of masters at a time, and its peak holds these temporaries
+    half, rem, _ = _split(master)
+    return half, rem
+
+
+def _split(master: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`split`, and the bf16 patterns as int32 (sign-extended: what :func:`fingerprint` sums)."""
     bits = master.view(torch.int32)
     top = bits >> 16  # the truncated bf16 pattern, sign-extended
     low = bits & 0xFFFF
-    high = low >= 0x8000
-    carry = (top & _EXPONENT).ne_(_EXPONENT).logical_and_(high)  # an infinity or a NaN is never carried
-    top.add_(carry)
-    low.sub_(carry.to(torch.int16), alpha=0x10000)
-    low.masked_fill_(high.logical_xor_(carry), 0)  # high but not carried: a NaN, whose low payload is dropped
-    return top.to(torch.int16).view(torch.bfloat16), low.to(torch.int16)
+    carry = low >= 0x8000
+    # a carry keeps an infinity or a NaN non-finite (an infinity has no low bits; a NaN's pattern plus one is a NaN),
+    # except from the NaN patterns 0x7FFF and 0xFFFF, whose carry would wrap to a zero: those are truncated, and their
+    # low half, which int16 cannot hold, loses its top bit (the rebuilt value is still a NaN)
+    carry &= (top & 0x7FFF) != 0x7FFF
+    top += carry
+    low.sub_(carry.to(torch.int32), alpha=0x10000)  # now in [-0x8000, 0x7FFF] but for those NaNs
+    return top.to(torch.int16).view(torch.bfloat16), low.to(torch.int16), top
 
 
 def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -77,11 +84,10 @@ def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """
     if out is None:
         out = torch.empty_like(half, dtype=torch.float32)
-    bits = out.view(torch.int32)  # built in place: the top half, less the borrow of a negative remainder, then the low
+    bits = out.view(torch.int32)  # (top << 16) + remainder: split subtracted the carry's 0x10000 from the low half
     bits.copy_(half.view(torch.int16))
-    bits.add_(rem >> 15)  # -1 where the remainder is negative
     bits.bitwise_left_shift_(16)
-    bits.bitwise_or_(rem.to(torch.int32).bitwise_and_(0xFFFF))
+    bits.add_(rem)
     return out
 
 
@@ -97,9 +103,13 @@ def fingerprint(half: Tensor) -> Tensor:
         assert not torch.equal(fingerprint(w), before)
         ```
     """
-    b = half.detach().view(torch.int16).to(torch.int32)
-    total = b.sum(dtype=torch.int64)
-    return torch.stack([total, b.mul_(b).sum(dtype=torch.int64)])
+    return _fingerprint(half.detach().view(torch.int16).to(torch.int32))
+
+
+def _fingerprint(patterns: Tensor) -> Tensor:
+    """:func:`fingerprint` of int32 bf16 patterns (sign-extended), squared in place."""
+    total = patterns.sum(dtype=torch.int64)
+    return torch.stack([total, patterns.mul_(patterns).sum(dtype=torch.int64)])
 
 
 class RemainderMasters(ChunkedMasters):
@@ -189,10 +199,10 @@ class RemainderMasters(ChunkedMasters):
             for p, m in zip(params, masters):
                 if p in self.rems or self.masters.get(p) is not m:
                     continue
-                half, self.rems[p] = split(m)
+                half, self.rems[p], patterns = _split(m)
                 if write_halves:
                     p.copy_(half)
-                self.prints[p] = fingerprint(half)
+                self.prints[p] = _fingerprint(patterns)
                 self._found.pop(p, None)
                 if id(m) in self._reusable:  # its gradient, if it keeps one, is a tensor of its own
                     self._reusable.discard(id(m))
@@ -239,16 +249,23 @@ class RemainderMasters(ChunkedMasters):
         groups: Optional[list[list[int]]] = None,
     ) -> Tensor:
         """Per weight of ``params``: edited since its master was last written (asleep: its fingerprint changed, and
-        the master has taken the edit already; awake: it differs from its master rounded as :func:`split` does)."""
+        the master has taken the edit already; woken for this step and not handed out: the same, as the weight is
+        its master's top half by construction; otherwise: it differs from its master rounded as :func:`split` does)."""
         self._check([p for p in params if p in self.rems])
         false = torch.zeros((), dtype=torch.bool, device=params[0].device)
         flags = []
         for p, m in zip(params, masters):
-            if p in self.rems:
+            if p in self.rems or self._fresh(p, m):
                 flags.append(self._found.get(p, false))
             else:
                 flags.append(bits_differ(split(m.detach())[0], p))
         return torch.stack(flags)
+
+    def _fresh(self, p: Tensor, m: Tensor) -> bool:
+        """Whether ``m`` was woken from ``p`` and its remainder by the step under way and never handed out: then ``p``
+        is ``m``'s top half (an edit made while it slept is in ``m`` already), until the step or the next forward
+        puts it back to sleep."""
+        return id(m) in self._reusable and p in self._found
 
     def _check(self, asleep: list[Tensor]) -> None:
         """Compare the fingerprints of sleeping masters' weights with those they slept with (no host sync); an edited
@@ -279,7 +296,8 @@ class RemainderMasters(ChunkedMasters):
         names = [self.name_of(p) for p, edited in self._found.items() if bool(edited)]
         for p in self._found:  # reported once; the entry stays: the weight was checked since its master slept
             self._found[p] = torch.zeros((), dtype=torch.bool, device=p.device)
-        awake = [(p, m) for p, m in pairs if p not in self.rems and bool(bits_differ(split(m.detach())[0], p))]
+        awake = [(p, m) for p, m in pairs if p not in self.rems and not self._fresh(p, m)]
+        awake = [(p, m) for p, m in awake if bool(bits_differ(split(m.detach())[0], p))]
         copy_into_masters(awake)
         return names + [self.name_of(p) for p, _ in awake]
 
