@@ -487,8 +487,13 @@ def test_fp8_converted_for_fsdp2_is_refused_without_it():
     from torchao.float8 import Float8LinearConfig
 
     config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True, .* not sharded with FSDP2"):
+    with pytest.raises(ValueError, match="Float8LinearConfig .enable_fsdp_float8_all_gather=True.* not sharded"):
         MPTPrecision("bf16", fp8=config).convert_module(nn.Sequential(nn.Linear(16, 32)))
+    # converted for FSDP2 in configure_model, then trained on one device: the plugin says how to convert instead
+    plugin = MPTPrecision("bf16", fp8=True, fp8_emulate=True)
+    model = plugin.convert_fp8(nn.Sequential(nn.Linear(16, 32)), fsdp=True)
+    with pytest.raises(ValueError, match=r"the layers 0 .enable_fsdp_float8_all_gather=True. .* convert_fp8\(module\)"):
+        plugin.convert_module(model)
 
 
 # ---------------------------------------------------------------------------------------------------- in one process

@@ -168,11 +168,13 @@ def convert_fp8(module: nn.Module, setup: Optional[Float8Setup], fsdp: bool = Fa
     config = setup.config
     if fsdp and setup.recipe != "custom" and config.cast_config_weight.scaling_granularity.name == "TENSORWISE":
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    if not fsdp and config.enable_fsdp_float8_all_gather:
+    gathered = [name for name, layer in float8_layers(module) if layer.config.enable_fsdp_float8_all_gather]
+    if not fsdp and (config.enable_fsdp_float8_all_gather or gathered):
         raise ValueError(
-            "MPTPrecision(fp8=...): the Float8LinearConfig has enable_fsdp_float8_all_gather=True, which wraps the "
-            "weights for FSDP2's fp8 all-gather, but the model is not sharded with FSDP2. Leave it False on one device "
-            "and under DDP."
+            f"MPTPrecision(fp8=...): {'the layers ' + ', '.join(gathered[:5]) if gathered else 'the Float8LinearConfig'}"
+            " (enable_fsdp_float8_all_gather=True) wrap their weights for FSDP2's fp8 all-gather, but the model is not "
+            "sharded with FSDP2. On one device and under DDP convert without it: convert_fp8(module) (fsdp=False), or "
+            "let the plugin convert the model."
         )
     converted: nn.Module = float8.convert_to_float8_training(module, module_filter_fn=accepts(setup), config=config)
     return converted

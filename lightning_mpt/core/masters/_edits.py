@@ -73,7 +73,9 @@ def _any_edited(params: list[Tensor], masters: list[Tensor], groups: list[list[i
         halves = [torch.stack([params[i] for i in idx]).reshape(-1) for idx in groups]
         rounded = [torch.empty_like(h) for h in halves]  # the masters rounded straight into the half format
         for idx, r in zip(groups, rounded):  # (an fp32 stack of them would hold 4 more bytes per parameter)
-            _compat.foreach_copy_(list(r.view(len(idx), -1).unbind(0)), [masters[i].reshape(-1) for i in idx])
+            # views shaped as the masters: one unbind, not a reshape per master (each Python call costs microseconds)
+            views = r.view(len(idx), *masters[idx[0]].shape).unbind(0)
+            _compat.foreach_copy_(list(views), [masters[i] for i in idx])
         if len(groups) == 1:
             return bits_differ(halves[0], rounded[0])
         # one comparison per shape: concatenating the stacks would hold 4 more bytes per parameter at the step's peak
