@@ -170,8 +170,9 @@ def convert_fp8(module: nn.Module, setup: Optional[Float8Setup], fsdp: bool = Fa
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     gathered = [name for name, layer in float8_layers(module) if layer.config.enable_fsdp_float8_all_gather]
     if not fsdp and (config.enable_fsdp_float8_all_gather or gathered):
+        which = "the layers " + ", ".join(gathered[:5]) if gathered else "the Float8LinearConfig"
         raise ValueError(
-            f"MPTPrecision(fp8=...): {'the layers ' + ', '.join(gathered[:5]) if gathered else 'the Float8LinearConfig'}"
+            f"MPTPrecision(fp8=...): {which}"
             " (enable_fsdp_float8_all_gather=True) wrap their weights for FSDP2's fp8 all-gather, but the model is not "
             "sharded with FSDP2. On one device and under DDP convert without it: convert_fp8(module) (fsdp=False), or "
             "let the plugin convert the model."
