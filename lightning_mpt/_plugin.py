@@ -146,14 +146,14 @@ class MixedPrecisionPlugin:
         layers must be converted before ``fully_shard``, in ``configure_model``.
 
         Args:
-            module: the model or a part of it, not yet sharded; converted in place (a root ``Linear`` is returned
-                replaced).
+            module: the model, not yet sharded; converted in place (a root ``Linear`` is returned replaced). With the
+                Trainer pass the LightningModule: ``fp8_filter`` then sees the names the plugin checks and logs.
             fsdp: ``fully_shard`` shards it next: the recipes' tensorwise weights then all-gather in fp8.
 
         Example:
             ```python
             def configure_model(self):
-                self.model = self.trainer.precision_plugin.convert_fp8(self.model, fsdp=True)
+                self.trainer.precision_plugin.convert_fp8(self, fsdp=True)  # fp8_filter sees the logged names
                 for block in self.model.blocks:
                     fully_shard(block, mesh=self.device_mesh, mp_policy=self.trainer.precision_plugin.mp_policy)
                 fully_shard(self.model, mesh=self.device_mesh, mp_policy=self.trainer.precision_plugin.mp_policy)
@@ -165,7 +165,7 @@ class MixedPrecisionPlugin:
         """Swap eligible ``Linear`` layers for ``Float8Linear`` before the masters are taken (their weights become
         half weights with fp32 masters like any other); a module FSDP2 sharded already is only checked."""
         if sharded:
-            fix = f"call `{self._access}.convert_fp8(module, fsdp=True)` before fully_shard."
+            fix = f"call `{self._access}.convert_fp8(self, fsdp=True)` in configure_model, before fully_shard."
             check_converted(module, self._fp8, fix)
             return module
         return convert_fp8(module, self._fp8)

@@ -18,9 +18,9 @@ Scenarios:
   init        a model created on the meta device, materialized and sharded; the sharded state dict's keys.
   unsharded   a configure_model that shards nothing: the plugin's error, on both ranks.
   memory      benchmarks/memory_fsdp.py --fast in these processes: per-rank bytes per parameter, to OUT/memory.json.
-  fp8         the small transformer with fp8 Linear layers (torchao, emulated), converted in configure_model before
-              fully_shard: 2 epochs of 4 steps under FSDP2 with Float8Monitor and a checkpoint per epoch, resumed
-              from the first; the same under DDP, where the plugin converts the layers itself.
+  fp8         the small transformer with fp8 Linear layers but the head (torchao, emulated, fp8_filter), converted in
+              configure_model before fully_shard: 2 epochs of 4 steps under FSDP2 with Float8Monitor and a checkpoint
+              per epoch, resumed from the first; the same under DDP, where the plugin converts the layers itself.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Seq2SeqFp8(Seq2Seq):
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:  # under DDP the plugin converts them itself
-            self.model = self.trainer.precision_plugin.convert_fp8(self.model, fsdp=True)
+            self.trainer.precision_plugin.convert_fp8(self, fsdp=True)
         super().configure_model()
 
 
@@ -546,8 +546,8 @@ def fp8(out: Path) -> None:
 
     from lightning_mpt.callbacks import Float8Monitor
 
-    def plugin() -> MPTPrecision:
-        return MPTPrecision("bf16", fp8=True, fp8_emulate=True)
+    def plugin() -> MPTPrecision:  # the head stays bf16: the filter sees the LightningModule's names on both paths
+        return MPTPrecision("bf16", fp8=True, fp8_emulate=True, fp8_filter=lambda module, fqn: fqn != "model.out")
 
     data = token_data(n=64, seq=8, vocab=16, batch_size=8)  # 4 steps per epoch on 2 ranks
     saver = ModelCheckpoint(dirpath=out / "ckpt-fp8", filename="{epoch}", save_top_k=-1, every_n_epochs=1)
