@@ -153,6 +153,16 @@ def metric_private_state(metric: Any) -> dict[str, Any]:
     return {k: metric.__dict__[k] for k in METRIC_CACHE_ATTRIBUTES if k in metric.__dict__}
 
 
+# --- torchao ----------------------------------------------------------------------------------------------------------
+
+
+def float8_scale(tensor: Any) -> Tensor:
+    """The scale torchao cast ``tensor`` (a ``Float8TrainingTensor``) with: ``_scale``, which torchao's own FSDP2
+    all-gather hooks read and write (torchao >= 0.18)."""
+    scale: Tensor = tensor._scale
+    return scale
+
+
 # --- FSDP2 (torch.distributed.fsdp.fully_shard) -----------------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mpt import _compat
 from lightning_mpt.core.fp8 import float8_layers
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.cadence import due
@@ -157,7 +158,7 @@ class Float8Statistics:
                 self._measure(index, 0, x, config.cast_config_input, config)
                 scale, shard = None, self._shards[index]
                 if is_float8_tensor(weight) and shard is not None:  # all-gathered in fp8 from each rank's shard
-                    weight, scale = shard.to_local(), weight._scale
+                    weight, scale = shard.to_local(), _compat.float8_scale(weight)
                 self._measure(index, 1, weight, config.cast_config_weight, config, scale)
                 if isinstance(output, Tensor) and output.requires_grad:
                     output.register_hook(self._grad_hook(index, config, self._step))
