@@ -111,6 +111,8 @@ MODES: list[Mode] = [
         _mpt(precision="bf16", master_remainders=True, chunked_step=2**18),
     ),
     Mode("bf16-true + optimi AdamW Kahan", lambda: {"precision": "bf16-true"}, "optimi AdamW Kahan"),
+    # optimi's AdamW in fp32: the reference that separates its algorithm from Kahan summation in the held-out loss
+    Mode("32-true + optimi AdamW", lambda: {"precision": "32-true"}, "optimi AdamW"),
     Mode("bf16-true + torchao _AdamW bf16 SR", lambda: {"precision": "bf16-true"}, "torchao _AdamW bf16 SR"),
     Mode("mpt-bf16 + torchao AdamW8bit", _mpt(precision="bf16"), "torchao AdamW8bit"),
     Mode("mpt-bf16 + torchao AdamW4bit", _mpt(precision="bf16"), "torchao AdamW4bit"),
