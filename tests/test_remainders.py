@@ -208,3 +208,40 @@ def test_a_state_dict_loaded_between_steps_becomes_the_masters_exactly():
     for name, (master, half) in loaded.items():
         assert torch.equal(master, saved[name]), name
         assert torch.equal(half, split(saved[name])[0] if half.dtype == torch.bfloat16 else saved[name]), name
+
+
+class SkipThenEdit(L.LightningModule):
+    """Manual optimization: the first step's gradient holds an inf (skipped, its masters left awake); the weight is
+    then set to 0.5, its gradient to 1, and the optimizer steps again with no forward between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.lin = nn.Linear(4, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        self.manual_backward(self.lin(batch[0]).float().sum())
+        self.lin.weight.grad[0, 0] = float("inf")
+        opt.step()
+        with torch.no_grad():
+            self.lin.weight.data.fill_(0.5)  # through .data: no version bump, the plugin must compare the bits
+        self.lin.weight.grad = torch.ones_like(self.lin.weight)  # the skipped step dropped the gradients
+        opt.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("chunked", [False, 8], ids=["whole", "chunked"])
+def test_a_weight_edited_after_a_skipped_step_is_where_the_next_step_starts(chunked):
+    """Whole step: the skipped step woke the masters and left them awake; the next one compares them with their
+    weights again (it woke none itself). Chunked: the masters slept through the skip; the fingerprint sees the edit."""
+    model = SkipThenEdit()
+    plugin = MPTPrecision("bf16", master_remainders=True, chunked_step=chunked)
+    trainer = quiet_trainer(max_steps=2, plugins=[plugin])
+    trainer.fit(model, regression_data(n=8, d_in=4, d_out=1, batch_size=8))
+    plugin = trainer.precision_plugin
+    assert [r.skipped for r in plugin.history] == [True, False]
+    expected = torch.full((4, 4), 0.5).add_(torch.ones(4, 4), alpha=-0.1)  # SGD from the edited value, in fp32
+    assert torch.equal(plugin.master_of(model.lin.weight), expected)

@@ -144,6 +144,7 @@ class RemainderMasters(ChunkedMasters):
         self.prints: dict[Tensor, Tensor] = {}  # parameter -> fingerprint of its half weight when its master slept
         self._found: dict[Tensor, Tensor] = {}  # parameter -> whether its weight was edited while asleep (0-dim)
         self._reusable: set[int] = set()  # masters woken in our own storage, never handed out: freed in place
+        self._woken_now: set[int] = set()  # ids of the parameters whose masters the prepare under way woke
 
     # ------------------------------------------------------------------ set-up
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
@@ -237,9 +238,16 @@ class RemainderMasters(ChunkedMasters):
 
     # ------------------------------------------------------------------ the step
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
+        # each step fingerprints the sleeping weights again: a skipped step's findings are stale once user code ran
+        self._found.clear()
         if not self.in_chunks(optimizer):  # the whole step reads every master
-            self.wake([p for p in params_of(optimizer) if p in self.masters])
-        return super().prepare(optimizer, scale, check_edits)
+            asleep = [p for p in params_of(optimizer) if p in self.rems]
+            self.wake(asleep)
+            self._woken_now = {id(p) for p in asleep}
+        try:
+            return super().prepare(optimizer, scale, check_edits)
+        finally:
+            self._woken_now = set()
 
     def edit_flags(
         self,
@@ -262,10 +270,10 @@ class RemainderMasters(ChunkedMasters):
         return torch.stack(flags)
 
     def _fresh(self, p: Tensor, m: Tensor) -> bool:
-        """Whether ``m`` was woken from ``p`` and its remainder by the step under way and never handed out: then ``p``
-        is ``m``'s top half (an edit made while it slept is in ``m`` already), until the step or the next forward
-        puts it back to sleep."""
-        return id(m) in self._reusable and p in self._found
+        """Whether ``m`` was woken from ``p`` and its remainder by the :meth:`prepare` under way and never handed out:
+        then ``p`` is ``m``'s top half (an edit made while it slept is in ``m`` already). A master left awake by a
+        skipped step is compared with its weight again: user code may have edited the weight since."""
+        return id(p) in self._woken_now and id(m) in self._reusable
 
     def _check(self, asleep: list[Tensor]) -> None:
         """Compare the fingerprints of sleeping masters' weights with those they slept with (no host sync); an edited
