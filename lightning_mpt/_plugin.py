@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_mpt._fp8_plugin import Float8Plugin
 from lightning_mpt.core.config import (
     LIGHTNING_NAMES,
     check_arguments,
@@ -24,7 +25,7 @@ from lightning_mpt.core.config import (
     check_master_remainders,
 )
 from lightning_mpt.core.engine import MixedPrecisionEngine
-from lightning_mpt.core.fp8 import Float8Setup, check_converted, check_fp8, check_fp8_device, convert_fp8
+from lightning_mpt.core.fp8 import check_fp8
 from lightning_mpt.core.masters import Masters, params_of
 from lightning_mpt.core.masters.chunked import ChunkedMasters
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -43,7 +44,7 @@ Loop = Literal["trainer", "fabric"]
 _WRAPPER_MODULES = ("lightning.pytorch.core.optimizer", "lightning.fabric.wrappers")
 
 
-class MixedPrecisionPlugin:
+class MixedPrecisionPlugin(Float8Plugin):
     """Mixin of both plugins: their arguments, public attributes and checkpoint state, read from the engine.
 
     Example:
@@ -65,11 +66,8 @@ class MixedPrecisionPlugin:
     max_consecutive_skips: int
     accumulate_fp32: bool
     skipped_steps_advance_schedulers: bool
-    _fp8: Optional[Float8Setup] = None
     chunked_step: Union[bool, int] = False
     master_remainders: bool = False
-    #: how user code reaches the plugin, for messages
-    _access: str = "the precision plugin"
 
     def _init_plugin(
         self,
@@ -129,49 +127,6 @@ class MixedPrecisionPlugin:
                     "shards are the masters, and its step holds 1/N of the gradients per process already. Leave "
                     f"{option}=False."
                 )
-
-    @property
-    def fp8_config(self) -> Any:
-        """torchao's ``Float8LinearConfig`` the plugin converts ``Linear`` layers with, ``None`` without fp8."""
-        return None if self._fp8 is None else self._fp8.config
-
-    @property
-    def fp8_setup(self) -> Optional[Float8Setup]:
-        """How the ``Linear`` layers compute in fp8 (``None``: they do not)."""
-        return self._fp8
-
-    def convert_fp8(self, module: Module, fsdp: bool = False) -> Module:
-        """Swap ``module``'s eligible ``Linear`` layers for torchao's ``Float8Linear`` now, as the plugin's ``fp8=``
-        says (nothing without ``fp8=``). The plugin does it itself, except under FSDP2 with the Trainer: there the
-        layers must be converted before ``fully_shard``, in ``configure_model``.
-
-        Args:
-            module: the model, not yet sharded; converted in place (a root ``Linear`` is returned replaced). With the
-                Trainer pass the LightningModule: ``fp8_filter`` then sees the names the plugin checks and logs.
-            fsdp: ``fully_shard`` shards it next: the recipes' tensorwise weights then all-gather in fp8.
-
-        Example:
-            ```python
-            def configure_model(self):
-                self.trainer.precision_plugin.convert_fp8(self, fsdp=True)  # fp8_filter sees the logged names
-                for block in self.model.blocks:
-                    fully_shard(block, mesh=self.device_mesh, mp_policy=self.trainer.precision_plugin.mp_policy)
-                fully_shard(self.model, mesh=self.device_mesh, mp_policy=self.trainer.precision_plugin.mp_policy)
-            ```
-        """
-        return convert_fp8(module, self._fp8, fsdp)
-
-    def _convert_fp8(self, module: Module, sharded: bool = False) -> Module:
-        """Swap eligible ``Linear`` layers for ``Float8Linear`` before the masters are taken (their weights become
-        half weights with fp32 masters like any other); a module FSDP2 sharded already is only checked."""
-        if sharded:
-            fix = f"call `{self._access}.convert_fp8(self, fsdp=True)` in configure_model, before fully_shard."
-            check_converted(module, self._fp8, fix)
-            return module
-        return convert_fp8(module, self._fp8)
-
-    def _check_fp8_device(self, device: torch.device) -> None:
-        check_fp8_device(self._fp8, device)
 
     def _sharded_masters(self, loop: Loop) -> Masters:
         """FSDP2's own fp32 shards as the masters, or a clear error where they cannot be."""

@@ -23,6 +23,7 @@ TRAINER = ("lightning_mpt.precision", "lightning_mpt.callbacks", "lightning_mpt.
 FABRIC = ("lightning_mpt.fabric",)
 BELOW_ADAPTERS = (
     "lightning_mpt._plugin",
+    "lightning_mpt._fp8_plugin",
     "lightning_mpt.report",
     "lightning_mpt.report_events",
     "lightning_mpt.report_plots",
@@ -35,6 +36,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "core/": ("lightning", "lightning_mpt.diagnostics", *TRAINER, *FABRIC, *BELOW_ADAPTERS),
     "diagnostics/": ("lightning", *TRAINER, *FABRIC, *BELOW_ADAPTERS),
     "_plugin.py": ("lightning.pytorch", "lightning.fabric.fabric", *TRAINER, *FABRIC),
+    "_fp8_plugin.py": ("lightning", *TRAINER, *FABRIC),
     "precision.py": FABRIC,
     "callbacks/": FABRIC,
     "_averaging.py": FABRIC,
