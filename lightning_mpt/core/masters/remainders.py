@@ -32,8 +32,6 @@ from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedMasters, ch
 
 __all__ = ["RemainderMasters", "fingerprint", "join", "split"]
 
-_EXPONENT = 0x7F80  # a bf16 pattern's exponent bits: all set for an infinity or a NaN
-
 
 def split(master: Tensor) -> tuple[Tensor, Tensor]:
     """The bf16 weight (ties rounded away from zero) and the int16 remainder that :func:`join` makes ``master`` from.
@@ -61,7 +59,7 @@ def _split(master: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     carry = low >= 0x8000
     # a carry keeps an infinity or a NaN non-finite (an infinity has no low bits; a NaN's pattern plus one is a NaN),
     # except from the NaN patterns 0x7FFF and 0xFFFF, whose carry would wrap to a zero: those are truncated, and their
-    # low half, which int16 cannot hold, loses its top bit (the rebuilt value is still a NaN)
+    # low half does not fit an int16 (the rebuilt value is another NaN)
     carry &= (top & 0x7FFF) != 0x7FFF
     top += carry
     low.sub_(carry.to(torch.int32), alpha=0x10000)  # now in [-0x8000, 0x7FFF] but for those NaNs
@@ -304,8 +302,7 @@ class RemainderMasters(ChunkedMasters):
         names = [self.name_of(p) for p, edited in self._found.items() if bool(edited)]
         for p in self._found:  # reported once; the entry stays: the weight was checked since its master slept
             self._found[p] = torch.zeros((), dtype=torch.bool, device=p.device)
-        awake = [(p, m) for p, m in pairs if p not in self.rems and not self._fresh(p, m)]
-        awake = [(p, m) for p, m in awake if bool(bits_differ(split(m.detach())[0], p))]
+        awake = [(p, m) for p, m in pairs if p not in self.rems and bool(bits_differ(split(m.detach())[0], p))]
         copy_into_masters(awake)
         return names + [self.name_of(p) for p, _ in awake]
 
