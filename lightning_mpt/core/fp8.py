@@ -215,6 +215,13 @@ def is_float8(module: nn.Module) -> bool:
     return loaded is not None and isinstance(module, loaded.Float8Linear)
 
 
+def is_float8_tensor(x: Any) -> bool:
+    """Whether ``x`` is torchao's fp8 training tensor (what FSDP2's fp8 all-gather makes of a weight), without importing
+    torchao."""
+    loaded = sys.modules.get("torchao.float8.float8_training_tensor")
+    return loaded is not None and isinstance(x, loaded.Float8TrainingTensor)
+
+
 def float8_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, layer)`` of every ``Float8Linear`` in ``module``, in ``named_modules`` order."""
     return [(name or "(root)", m) for name, m in module.named_modules() if is_float8(m)]

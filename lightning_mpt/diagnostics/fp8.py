@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Optional
 
 import torch
@@ -35,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mpt import _compat
-from lightning_mpt.core.fp8 import float8_layers
+from lightning_mpt.core.fp8 import float8_layers, is_float8_tensor
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.cadence import due
 from lightning_mpt.diagnostics.recorder import Layout, Parts, Recorder
@@ -91,12 +90,6 @@ def role_values(x: Tensor, cast_config: Any, power_of_2: bool, scale: Optional[T
         scale = tensorwise_scale(x, dtype, dim=-1 if rowwise else None, power_of_2=power_of_2)
     amax = x.abs().amax().double() if x.numel() else torch.zeros((), dtype=torch.float64, device=x.device)
     return torch.cat([torch.stack([amax, scale.min().double()]), cast_counts(x, dtype, scale)])
-
-
-def is_float8_tensor(x: Any) -> bool:
-    """Whether ``x`` is torchao's fp8 training tensor (what FSDP2's fp8 all-gather makes of a weight)."""
-    loaded = sys.modules.get("torchao.float8.float8_training_tensor")
-    return loaded is not None and isinstance(x, loaded.Float8TrainingTensor)
 
 
 class Float8Statistics:
