@@ -247,7 +247,24 @@ def run_until_written(cmd: list[str], files: list[Path], log: Path, timeout: flo
     gloo sometimes aborts or hangs a process at exit after the work is done ("terminate called without an active
     exception"). So the job runs in its own session with its output in ``log`` (a hung worker must not hold a pipe
     open), gets ``grace`` seconds to exit once the files exist, and is then killed; the caller asserts on the files.
+
+    A job killed by a signal of its own before writing ``files`` (a native crash: torch's gloo on CPU once aborted
+    mid-run with "double free or corruption" in a launch that passed three times in a row afterwards) runs once
+    more, its first log kept beside ``log``; a crash that recurs fails the caller. A Python exception, a non-zero
+    exit or the timeout is not retried.
     """
+    code, crashed = _run_once(cmd, files, log, timeout, grace)
+    if crashed:
+        first = log.with_name(f"{log.stem}.crashed{log.suffix}")
+        log.replace(first)
+        print(f"run_until_written: {cmd[-1]} died of signal {-code}; once more (log: {first})", file=sys.stderr)
+        code, _ = _run_once(cmd, files, log, timeout, grace)
+    return code
+
+
+def _run_once(cmd: list[str], files: list[Path], log: Path, timeout: float, grace: float) -> tuple[int, bool]:
+    """One run of :func:`run_until_written`: its exit code, and whether it died of a signal on its own before
+    writing ``files``."""
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -258,7 +275,9 @@ def run_until_written(cmd: list[str], files: list[Path], log: Path, timeout: flo
             if written_at is not None and time.monotonic() - written_at > grace:
                 break
             time.sleep(0.2)
-        if proc.poll() is None:
+        killed = proc.poll() is None
+        if killed:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return proc.returncode
+    crashed = not killed and proc.returncode < 0 and not all(f.exists() for f in files)
+    return proc.returncode, crashed
