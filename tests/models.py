@@ -248,10 +248,10 @@ def run_until_written(cmd: list[str], files: list[Path], log: Path, timeout: flo
     exception"). So the job runs in its own session with its output in ``log`` (a hung worker must not hold a pipe
     open), gets ``grace`` seconds to exit once the files exist, and is then killed; the caller asserts on the files.
 
-    A job killed by a signal of its own before writing ``files`` (a native crash: torch's gloo on CPU once aborted
-    mid-run with "double free or corruption" in a launch that passed three times in a row afterwards) runs once
-    more, its first log kept beside ``log``; a crash that recurs fails the caller. A Python exception, a non-zero
-    exit or the timeout is not retried.
+    A job that dies of a native crash before writing ``files`` (killed by a signal of its own, or a process's log
+    says glibc or CPython found memory corrupted: torch's gloo on CPU once aborted mid-run with "double free or
+    corruption" in a launch that passed three times in a row afterwards) runs once more, its first log kept beside
+    ``log``; a crash that recurs fails the caller. A Python exception alone, or the timeout, is not retried.
     """
     code, crashed = _run_once(cmd, files, log, timeout, grace)
     if crashed:
@@ -279,5 +279,17 @@ def _run_once(cmd: list[str], files: list[Path], log: Path, timeout: float, grac
         if killed:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    crashed = not killed and proc.returncode < 0 and not all(f.exists() for f in files)
+    # rank 0 dies of the signal, or sees its peer die of it (gloo: "Connection closed by peer") and exits with 1
+    native = proc.returncode < 0 or any(m in log.read_text(errors="replace") for m in _NATIVE_CRASHES)
+    crashed = not killed and proc.returncode != 0 and native and not all(f.exists() for f in files)
     return proc.returncode, crashed
+
+
+#: what glibc and CPython print when a process dies of memory corruption or a fatal signal
+_NATIVE_CRASHES = (
+    "double free or corruption",
+    "malloc(): ",
+    "free(): invalid",
+    "Segmentation fault",
+    "Fatal Python error",
+)
