@@ -49,4 +49,5 @@ def test_a_peer_that_died_of_memory_corruption_is_run_once_more(tmp_path: Path):
         "(out / 'done').write_text('')\n"
     )
     code = run_until_written([sys.executable, str(script), str(tmp_path)], [tmp_path / "done"], tmp_path / "log.txt")
-    assert code == 0 and (tmp_path / "done").exists()
+    assert code == 0
+    assert (tmp_path / "done").exists()
