@@ -168,9 +168,11 @@ def convert_fp8(module: nn.Module, setup: Optional[Float8Setup], fsdp: bool = Fa
     config = setup.config
     if fsdp and setup.recipe != "custom" and config.cast_config_weight.scaling_granularity.name == "TENSORWISE":
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    gathered = [
-        name for name, layer in float8_layers(module) if getattr(layer.config, "enable_fsdp_float8_all_gather", False)
-    ]
+    gathered = (
+        []
+        if fsdp
+        else [n for n, m in float8_layers(module) if getattr(m.config, "enable_fsdp_float8_all_gather", False)]
+    )
     if not fsdp and (config.enable_fsdp_float8_all_gather or gathered):
         which = "the layers " + ", ".join(gathered[:5]) if gathered else "the Float8LinearConfig"
         raise ValueError(
