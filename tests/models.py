@@ -241,7 +241,15 @@ def run_workers(worker: Path, out: Path, *args: str, timeout: float = 300) -> Pa
     return out
 
 
-def run_until_written(cmd: list[str], files: list[Path], log: Path, timeout: float = 240, grace: float = 20) -> int:
+def run_until_written(
+    cmd: list[str],
+    files: list[Path],
+    log: Path,
+    timeout: float = 240,
+    grace: float = 20,
+    env: Optional[dict[str, str]] = None,
+    cwd: Optional[Path] = None,
+) -> int:
     """Run a multi-process job until it has written ``files``; return its exit code (None-safe: -9 when killed).
 
     gloo sometimes aborts or hangs a process at exit after the work is done ("terminate called without an active
@@ -252,22 +260,28 @@ def run_until_written(cmd: list[str], files: list[Path], log: Path, timeout: flo
     says glibc or CPython found memory corrupted: torch's gloo on CPU once aborted mid-run with "double free or
     corruption" in a launch that passed three times in a row afterwards) runs once more, its first log kept beside
     ``log``; a crash that recurs fails the caller. A Python exception alone, or the timeout, is not retried.
+
+    ``env`` is added to this process's environment (each run gets a free ``MASTER_PORT`` too); ``cwd``: where the job
+    runs. A job that writes no file of its own passes a path it never writes: then it runs until it exits.
     """
-    code, crashed = _run_once(cmd, files, log, timeout, grace)
+    run = {"env": env or {}, "cwd": cwd}
+    code, crashed = _run_once(cmd, files, log, timeout, grace, **run)
     if crashed:
         first = log.with_name(f"{log.stem}.crashed{log.suffix}")
         log.replace(first)
         print(f"run_until_written: {cmd[-1]} died of signal {-code}; once more (log: {first})", file=sys.stderr)
-        code, _ = _run_once(cmd, files, log, timeout, grace)
+        code, _ = _run_once(cmd, files, log, timeout, grace, **run)
     return code
 
 
-def _run_once(cmd: list[str], files: list[Path], log: Path, timeout: float, grace: float) -> tuple[int, bool]:
+def _run_once(
+    cmd: list[str], files: list[Path], log: Path, timeout: float, grace: float, env: dict[str, str], cwd: Optional[Path]
+) -> tuple[int, bool]:
     """One run of :func:`run_until_written`: its exit code, and whether it died of a signal on its own before
     writing ``files``."""
-    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    env = {**os.environ, **env, "MASTER_PORT": str(free_port())}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         deadline, written_at = time.monotonic() + timeout, None
         while proc.poll() is None and time.monotonic() < deadline:
             if written_at is None and all(f.exists() for f in files):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Generator, Iterator
+from itertools import repeat
+from operator import is_not
 from typing import Optional
 
 import torch
@@ -84,15 +86,18 @@ class GradientFlow:
             for p in unfrozen:
                 self.add_master(p, p.detach().float())
             plan = self.groups.plan(optimizer)
-        for p, master in plan.pairs:
-            grad = p.grad
-            if grad is None:
-                master.grad = None
-            elif grad.is_sparse:
-                raise RuntimeError(_SPARSE)
-            else:
-                out.params.append(p)
-                out.masters.append(master)
+        if all(map(is_not, [p.grad for p in plan.params], repeat(None))):  # the usual case: every one has one
+            out.params, out.masters = list(plan.params), list(plan.masters)  # (sparse ones are refused at the copy)
+        else:
+            for p, master in plan.pairs:
+                grad = p.grad
+                if grad is None:
+                    master.grad = None
+                elif grad.is_sparse:
+                    raise RuntimeError(_SPARSE)
+                else:
+                    out.params.append(p)
+                    out.masters.append(master)
         for p in plan.own:
             grad = p.grad
             if grad is not None:
@@ -113,11 +118,9 @@ class GradientFlow:
         # torch < 2.13, a step taken again: the half copies the last step left on the parameters stand for its exact
         # fp32 gradients, which are stepped again unrounded
         exact = self._kept_exactly() if self._kept and not _compat.GRAD_DTYPE else {}
-        usual = not exact
-        for g, p in zip(halves, params):
-            if not usual or g.dtype != p.dtype or not g.is_contiguous():
-                usual = False
-                break
+        usual = not exact and all(g.dtype is p.dtype and g.is_contiguous() for g, p in zip(halves, params))
+        if not usual and any(g.is_sparse for g in halves):
+            raise RuntimeError(_SPARSE)
         layout = self.groups.layouts.get(masters) if usual else None
         if layout is not None:  # the usual case: one allocation, views of it (one unscale kernel)
             flat, fp32 = layout.views(torch.float32, masters[0].device)

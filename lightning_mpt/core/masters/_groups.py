@@ -4,8 +4,11 @@ to a group's list; the optimizer's state follows its keys."""
 
 from __future__ import annotations
 
+import copy
+import operator
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -23,6 +26,28 @@ class GroupPlan:
     # per group: (its parameter list, its entries as parameters, its entries as masters), for one-call swaps
     groups: list[tuple[list[Tensor], list[Tensor], list[Tensor]]] = field(default_factory=list)
     pairs: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (parameter, master) of every slot
+    params: list[Tensor] = field(default_factory=list)  # the pairs' parameters
+    masters: list[Tensor] = field(default_factory=list)  # and their masters
+
+
+@dataclass
+class _StateMirror:
+    """An optimizer's state twice: its own dict keyed by the parameters, and ours keyed by the masters, holding the
+    same entries (each parameter's state dict object), so that a swap is one attribute assignment."""
+
+    by_params: defaultdict[Tensor, Any]  # the optimizer's own object: Lightning's ``LightningOptimizer`` shares it
+    by_masters: defaultdict[Tensor, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # of the same kind: optimizers create their entries by reading a missing key
+        self.by_masters = copy.copy(self.by_params)
+        self.by_masters.clear()
+
+
+def _same_entries(a: dict[Tensor, Any], b: dict[Tensor, Any]) -> bool:
+    """Whether two state dicts hold the same entry objects in the same order (a C-level pass, no tensor hashing): then
+    one is the other with its keys renamed, as built by :meth:`GroupSwap._rename`."""
+    return len(a) == len(b) and all(map(operator.is_, a.values(), b.values()))
 
 
 class GroupSwap:
@@ -49,6 +74,7 @@ class GroupSwap:
         self.converted = converted
         self._plans: dict[Optimizer, GroupPlan] = {}
         self._param_of: dict[Tensor, Tensor] = {}  # master -> parameter: the groups may hold the masters right now
+        self._mirrors: dict[Optimizer, _StateMirror] = {}
         self.layouts = FlatLayouts()  # of the masters' fp32 gradients, one per range of an optimizer's masters
 
     def invalidate(self) -> None:
@@ -56,21 +82,43 @@ class GroupSwap:
         self._plans.clear()
         self.layouts.clear()  # it keeps the masters it was made for
         self._param_of = {m: p for p, m in self.masters.items()}
+        # mirrors keyed by the old masters go; one whose optimizer is stepping now is swapped back first
+        self._mirrors = {o: m for o, m in self._mirrors.items() if o.state is m.by_masters}
 
     def swap(self, optimizer: Optimizer, to_masters: bool) -> None:
         """Put the masters (or back the parameters) into ``optimizer.param_groups``, in place, with their state.
 
-        In place, because optimizers such as LBFGS keep a reference to the group's list.
+        In place, because optimizers such as LBFGS keep a reference to the group's list. The state moves by swapping
+        ``optimizer.state`` between its own dict and a mirror keyed by the masters (one assignment, where moving each
+        entry costs two tensor hashes); the mirror is renamed again only when the entries changed (the optimizer's
+        first step, a reset, a loaded checkpoint).
         """
         plan = self.plan(optimizer)
         for params, mine, masters in plan.groups:
             params[:] = masters if to_masters else mine  # one slice assignment per group
-        state, pop = optimizer.state, optimizer.state.pop
-        for p, m in plan.pairs:  # one hash each way: Tensor.__hash__ is a Python call
-            x, y = (p, m) if to_masters else (m, p)
-            moved = pop(x, None)
-            if moved is not None:
-                state[y] = moved
+        state = optimizer.state
+        mirror = self._mirrors.get(optimizer)
+        if to_masters:
+            if mirror is None or state is not mirror.by_params:  # first step, or the state was replaced
+                mirror = self._mirrors[optimizer] = _StateMirror(state)
+            if not _same_entries(state, mirror.by_masters):
+                self._rename(state, mirror.by_masters, self.masters)
+            optimizer.state = mirror.by_masters
+        elif mirror is not None and state is mirror.by_masters:
+            if not _same_entries(state, mirror.by_params):  # the step made (or replaced) entries
+                self._rename(state, mirror.by_params, self._param_of)
+            optimizer.state = mirror.by_params
+        else:  # a state loaded while the groups held the masters: its keys are renamed in place, and it is kept
+            self._mirrors.pop(optimizer, None)
+            moved = {self._param_of.get(k, k): v for k, v in state.items()}
+            state.clear()
+            state.update(moved)
+
+    @staticmethod
+    def _rename(source: dict[Tensor, Any], target: dict[Tensor, Any], names: dict[Tensor, Tensor]) -> None:
+        """Make ``target`` (in place: others may hold it) the entries of ``source`` in its order, keyed by ``names``."""
+        target.clear()
+        target.update((names.get(k, k), v) for k, v in source.items())
 
     def plan(self, optimizer: Optimizer) -> GroupPlan:
         """Where ``optimizer``'s parameters with masters sit in its groups; rebuilt when the groups change."""
@@ -89,6 +137,7 @@ class GroupSwap:
                     else:
                         plan.pairs.append((p, m))
             plan.frozen = [p for p in plan.own if p in self.converted]  # half, without a master
+            plan.params, plan.masters = [p for p, _ in plan.pairs], [m for _, m in plan.pairs]
             devices = {p.device for p in plan.own} | {m.device for _, m in plan.pairs}
             plan.device = devices.pop() if len(devices) == 1 else None
             self._plans[optimizer] = plan
