@@ -41,6 +41,18 @@ foreach_sub_ = torch._foreach_sub_
 foreach_mul_ = torch._foreach_mul_
 
 
+def storage_holders(tensor: Tensor) -> int:
+    """How many tensors (views included, whoever holds them, Python or C++: an autograd graph, a collective) share
+    ``tensor``'s storage now.
+
+    Why: the plugin reuses the buffer of a step's fp32 gradients at the next step, which is safe only when nothing
+    outside it still holds a view of the buffer: a Python reference count does not see a view made from a view, nor a
+    tensor held by C++. No public API counts a storage's users.
+    Exists: ``torch._C._storage_Use_Count`` in torch 2.1 and later (checked on 2.4 and 2.13).
+    """
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
+
+
 def version(tensor: Tensor) -> int:
     """The counter of in-place modifications of ``tensor``.
 

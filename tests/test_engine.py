@@ -179,3 +179,54 @@ def test_an_edit_flagged_per_range_of_weights_is_found_in_its_own_weight():
     pairs = list(zip(halves, masters))
     assert edited_pairs(pairs, [0.0, 1.0]) == [pairs[2]]
     assert edited_pairs(pairs, [0.0, 0.0]) == []
+
+
+# ------------------------------------------------------------------------------------------ the gradients' buffer
+
+
+def _engine_step(engine: MixedPrecisionEngine, model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    engine.release_gradients(drop=True)
+    loss = model(torch.randn(4, 8, dtype=torch.float16)).float().pow(2).mean()
+    engine.scale_loss(loss).backward()
+    engine.step(opt, engine.decide(opt))
+    opt.zero_grad()
+
+
+def _kept_buffers(engine: MixedPrecisionEngine) -> list[torch.Tensor]:
+    layouts = engine.masters.groups.layouts._layouts.values()  # type: ignore[attr-defined]
+    return [kept.flat for layout in layouts if layout is not None for kept in layout._kept.values()]
+
+
+def test_the_step_gradients_buffer_is_reused_and_holds_no_memory_between_steps():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    engine = MixedPrecisionEngine(CopyMasters(torch.float16), DynamicLossScaler(init_scale=8.0))
+    engine.convert(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for step in range(3):
+        _engine_step(engine, model, opt, step)
+        seen.append(id(engine.masters.master_of(model[0].weight).grad))  # the step keeps it until the release
+        engine.release_gradients(drop=True)
+        kept = _kept_buffers(engine)  # the fp32 gradients', and the CPU edit check's rounded masters
+        assert sorted(str(t.dtype) for t in kept) == ["torch.float16", "torch.float32"]
+        assert [t.untyped_storage().nbytes() for t in kept] == [0, 0]  # between steps they hold no memory
+    assert seen[0] == seen[1] == seen[2]  # the same views, step after step
+
+
+def test_a_gradient_user_code_keeps_is_never_reused_nor_freed():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    engine = MixedPrecisionEngine(CopyMasters(torch.float16), DynamicLossScaler(init_scale=8.0))
+    engine.convert(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _engine_step(engine, model, opt, 0)
+    kept = engine.masters.master_of(model[0].weight).grad  # the tensor itself
+    kept_copy = kept.clone()
+    _engine_step(engine, model, opt, 1)
+    part = engine.masters.master_of(model[1].weight).grad.view(-1)[:5]  # a view made from the gradient
+    part_copy = part.clone()
+    for seed in (2, 3):
+        _engine_step(engine, model, opt, seed)
+    engine.release_gradients(drop=True)
+    assert torch.equal(kept, kept_copy)
+    assert torch.equal(part, part_copy)

@@ -1,6 +1,9 @@
-"""The optimizer's state as user code sees it between steps: the masters' state lives in a mirror keyed by the masters
-during the step and in the optimizer's own dict outside it (``core/masters/_groups.py``). These tests read, reset and
-replace that state the ways real code does, through a real Trainer, and check it against Adam's own algebra."""
+"""The optimizer's state and the step's gradients as user code sees them between steps.
+
+The masters' state lives in a mirror keyed by the masters during the step and in the optimizer's own dict outside it
+(``core/masters/_groups.py``); the step's fp32 gradients are views of one buffer that the next step reuses when
+nothing holds it (``core/masters/_flat.py``). These tests read, reset, replace and keep them the ways real code does,
+through a real Trainer, and check them against Adam's own algebra and against copies taken at the time."""
 
 from __future__ import annotations
 
@@ -122,3 +125,62 @@ def test_state_entries_an_optimizer_replaces_in_its_step_are_the_ones_seen_after
     model = CountingModule()
     quiet_trainer(max_steps=3, plugins=[MPTPrecision("bf16")]).fit(model, regression_data())
     assert model.counts == [[1, 1], [2, 2], [3, 3]]
+
+
+class KeepsGradients(L.Callback):
+    """Keeps, at the first two steps, the gradients that hooks see (the tensors themselves, and a view of one) with
+    copies taken then, as a gradient-noise or a logging callback may."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == 0:
+            self.kept += [(p.grad, p.grad.clone()) for p in module.parameters()]
+        elif trainer.global_step == 1:
+            view = next(module.parameters()).grad.view(-1)[:4]
+            self.kept.append((view, view.clone()))
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_gradients_a_callback_keeps_are_never_overwritten_by_later_steps(precision):
+    keeps = KeepsGradients()
+    quiet_trainer(max_steps=5, callbacks=[keeps], plugins=[MPTPrecision(precision)]).fit(
+        Regression(), regression_data()
+    )
+    assert len(keeps.kept) == 5  # 4 gradients of the first step, a view of one of the second
+    for kept, copy in keeps.kept:
+        assert torch.equal(kept, copy)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_fabric_optimizer_state_is_keyed_by_the_parameters_and_shared_with_its_wrapper(precision):
+    from lightning_mpt.fabric import MPTPrecision as FabricMPTPrecision
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FabricMPTPrecision(precision)])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2, betas=BETAS))
+    for x, y in regression_data():
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    raw = optimizer.optimizer
+    assert optimizer.state is raw.state  # the wrapper shares the optimizer's own dict
+    assert set(raw.state) == set(model.parameters())
+    assert {float(st["step"]) for st in raw.state.values()} == {4.0}  # 64 samples in batches of 16
+    assert {st["exp_avg"].dtype for st in raw.state.values()} == {torch.float32}

@@ -161,12 +161,15 @@ class MixedPrecisionEngine:
         if drop:
             self._taken.clear()
         elif self._taken:
-            scale = self.loss_scale
-            for grads in self._taken.values():
-                self.masters.rescale(grads, scale)
-            self._taken.clear()
-            self.backward_scale = scale
+            self._rescale_taken()
         self.masters.release(drop)
+
+    def _rescale_taken(self) -> None:
+        scale = self.loss_scale
+        for grads in self._taken.values():
+            self.masters.rescale(grads, scale)
+        self._taken.clear()
+        self.backward_scale = scale
 
     # ------------------------------------------------------------------ the step
     def decide(self, optimizer: Optimizer) -> PendingStep:

@@ -4,16 +4,18 @@ refresh undoing them. A half weight was edited when it differs from its master r
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from lightning_mpt import _compat
+from lightning_mpt.core.masters._flat import FlatLayout
 
 
 def edit_flags(
-    params: list[Tensor], masters: list[Tensor], scratch: list[Tensor], groups: Optional[list[list[int]]] = None
+    params: list[Tensor], masters: list[Tensor], scratch: list[Tensor], layout: Optional[FlatLayout] = None
 ) -> Tensor:
     """Whether each half weight differs from its rounded master, on the device (cast and compare in ``scratch``,
     which is overwritten). On CPU a single flag for all of them: :func:`edited_pairs` then finds which.
@@ -22,7 +24,8 @@ def edit_flags(
         params: the half weights.
         masters: their fp32 masters.
         scratch: tensors like ``params``, overwritten (not used on CPU).
-        groups: the indices of ``params`` of each shape, when known (on CPU each group is compared at once).
+        layout: the :class:`FlatLayout` of ``masters``, when known: on CPU the weights of each of its shapes are
+            compared at once, the masters rounded into its reused buffer of the half format.
 
     Example:
         ```python
@@ -38,9 +41,7 @@ def edit_flags(
     if params[0].device.type == "cpu":
         # CPUs emulate half arithmetic (60 ms for 3.4M values) and pay per tensor in Python: one comparison of the
         # bit patterns of everything, a single flag; which parameters were edited is worked out only if one was
-        if groups is None:
-            groups = _by_shape(params)
-        return _any_edited(params, masters, groups).reshape(1)
+        return _any_edited(params, masters, layout).reshape(1)
     _compat.foreach_copy_(scratch, masters)  # the masters rounded to the half format
     flags = torch.zeros(len(params), dtype=torch.bool, device=params[0].device)
     full = [i for i, t in enumerate(scratch) if t.numel()]  # an empty tensor cannot be edited (nor normed)
@@ -55,31 +56,28 @@ def edit_flags(
     return flags
 
 
-def _by_shape(tensors: list[Tensor]) -> list[list[int]]:
-    """The indices of ``tensors`` grouped by shape."""
-    groups: dict[torch.Size, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.shape, []).append(i)
-    return list(groups.values())
-
-
-def _any_edited(params: list[Tensor], masters: list[Tensor], groups: list[list[int]]) -> Tensor:
+def _any_edited(params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout]) -> Tensor:
     """Whether any half weight differs from its master rounded (0-dim): the weights, and the masters, of one shape
-    (``groups``) stacked in one call each, not viewed or copied one by one from Python (which costs more than the
-    comparison), the masters rounded in one cast (the rounding of a copy into the half format). A group of mixed
-    dtypes is stacked in the widest: that may flag an unedited weight, never miss an edited one, and
-    :func:`edited_pairs` compares each weight exactly once a flag is up."""
+    stacked in one call each, not viewed or copied one by one from Python (which costs more than the comparison),
+    the masters rounded in one cast (the rounding of a copy into the half format), into ``layout``'s buffer of the
+    half format when given (its views reused from step to step). A group of mixed dtypes is stacked in the widest:
+    that may flag an unedited weight, never miss an edited one, and :func:`edited_pairs` compares each weight exactly
+    once a flag is up."""
+    if layout is None:
+        layout = FlatLayout(masters)
+    groups = layout.groups
     with torch.no_grad():  # the weights' stack needs no autograd record
         halves = [torch.stack([params[i] for i in idx]).reshape(-1) for idx in groups]
-        rounded = [torch.empty_like(h) for h in halves]  # the masters rounded straight into the half format
-        for idx, r in zip(groups, rounded):  # (an fp32 stack of them would hold 4 more bytes per parameter)
-            # views shaped as the masters: one unbind, not a reshape per master (each Python call costs microseconds)
-            views = r.view(len(idx), *masters[idx[0]].shape).unbind(0)
-            _compat.foreach_copy_(list(views), [masters[i] for i in idx])
-        if len(groups) == 1:
-            return bits_differ(halves[0], rounded[0])
+        dtype = halves[0].dtype
+        if any(h.dtype != dtype for h in halves):  # a weight's data replaced by another format: the widest
+            dtype = functools.reduce(torch.promote_types, [h.dtype for h in halves])
+            halves = [h.to(dtype) for h in halves]
+        flat, views = layout.views(dtype, masters[0].device)  # (as the masters, 4 more bytes per parameter in fp32)
+        _compat.foreach_copy_(views, masters)
         # one comparison per shape: concatenating the stacks would hold 4 more bytes per parameter at the step's peak
-        return torch.stack([bits_differ(h, r) for h, r in zip(halves, rounded)]).any()
+        differ = torch.stack([bits_differ(h, flat[o : o + h.numel()]) for h, o in zip(halves, layout.offsets)]).any()
+    layout.release(dtype)  # the rounded masters are dead: their memory goes back now
+    return differ
 
 
 def edit_flags_of(pairs: list[tuple[Tensor, Tensor]]) -> list[float]:

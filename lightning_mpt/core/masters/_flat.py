@@ -1,13 +1,48 @@
 """Many tensors allocated as views of one flat buffer: the fp32 gradients of a step's masters come from one
 allocation (and are unscaled by one kernel over that buffer) instead of one allocation per tensor, whose host cost
-grows with the number of tensors (400 ``empty_like`` calls cost about as much as the rest of the step's own work)."""
+grows with the number of tensors (400 ``empty_like`` calls cost about as much as the rest of the step's own work).
+The buffer and its views are made once and reused from step to step while nothing else holds them; between steps
+their memory is given back."""
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from lightning_mpt import _compat
+
+
+class _Kept:
+    """A buffer and its views, kept for the next step, with what holds them when nothing but this does."""
+
+    def __init__(self, flat: Tensor, views: list[Tensor]) -> None:
+        self.flat, self.views = flat, views
+        self.nbytes = flat.untyped_storage().nbytes()
+        self.holders = _compat.storage_holders(flat)
+        self.refs = list(map(sys.getrefcount, views))
+
+    def free(self) -> bool:
+        """Whether nothing else holds the buffer, a view of it, or one of its views' Python objects (a hook may have
+        kept a gradient): only then may its memory be given back, or its values overwritten."""
+        return (
+            _compat.storage_holders(self.flat) == self.holders and list(map(sys.getrefcount, self.views)) == self.refs
+        )
+
+    def sleep(self) -> bool:
+        """Give the memory back, keeping the views; ``False`` where the storage cannot be resized."""
+        try:
+            self.flat.untyped_storage().resize_(0)
+        except RuntimeError:
+            return False
+        return True
+
+    def wake(self) -> None:
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() != self.nbytes:
+            storage.resize_(self.nbytes)
 
 
 class FlatLayout:
@@ -33,20 +68,44 @@ class FlatLayout:
             groups.setdefault(t.shape, []).append(i)
         self.groups = list(groups.values())  # the indices of each shape's tensors
         self.blocks = [(len(idx), shape, shape.numel()) for shape, idx in groups.items()]
-        self.numel = sum(count * n for count, _, n in self.blocks)
+        self.offsets = [0]  # where each shape's block starts in the flat buffer
+        for count, _, n in self.blocks:
+            self.offsets.append(self.offsets[-1] + count * n)
+        self.numel = self.offsets.pop()
         self.position = [0] * len(tensors)  # tensor i -> its view's place in the blocks' order
         for pos, i in enumerate(i for idx in groups.values() for i in idx):
             self.position[i] = pos
+        self._kept: dict[tuple[torch.dtype, torch.device], _Kept] = {}
 
     def views(self, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[Tensor]]:
-        """A new flat buffer and the views of it shaped as the tensors, in their order (contiguous each)."""
+        """A flat buffer and the views of it shaped as the tensors, in their order (contiguous each), their values
+        undefined: the last call's again when nothing else holds them now (see :meth:`release`), else new ones."""
+        key = (dtype, device)
+        kept = self._kept.get(key)
+        if kept is not None:
+            if kept.free():
+                kept.wake()
+                return kept.flat, kept.views
+            del self._kept[key]  # a holder keeps them: theirs now
         flat = torch.empty(self.numel, dtype=dtype, device=device)
+        kept = self._kept[key] = _Kept(flat, self._views_of(flat))
+        return flat, kept.views
+
+    def _views_of(self, flat: Tensor) -> list[Tensor]:
         parts: list[Tensor] = []
         offset = 0
         for count, shape, n in self.blocks:
             parts.extend(flat[offset : offset + count * n].view(count, *shape).unbind(0))
             offset += count * n
-        return flat, [parts[j] for j in self.position]
+        return [parts[j] for j in self.position]
+
+    def release(self, dtype: Optional[torch.dtype] = None) -> None:
+        """Between steps: the memory of each buffer (of ``dtype``, or all) that nothing else holds goes back (its
+        views are kept for the next step); a buffer that something still holds is forgotten, and freed when its holder
+        lets go."""
+        for key, kept in list(self._kept.items()):
+            if (dtype is None or key[0] == dtype) and not (kept.free() and kept.sleep()):
+                del self._kept[key]
 
 
 class FlatLayouts:
@@ -76,6 +135,12 @@ class FlatLayouts:
             del self._layouts[next(iter(self._layouts))]
         layout = self._layouts[key] = FlatLayout(tensors) if fits else None
         return layout
+
+    def release(self) -> None:
+        """:meth:`FlatLayout.release` of every layout."""
+        for layout in self._layouts.values():
+            if layout is not None:
+                layout.release()
 
     def clear(self) -> None:
         self._layouts.clear()

@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, whole_step
 from lightning_mpt.core.masters._edits import edit_flags
+from lightning_mpt.core.masters._flat import FlatLayout
 from lightning_mpt.core.masters._groups import GroupPlan, GroupSwap
 
 _SPARSE = "MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False)."
@@ -41,10 +42,10 @@ class GradientFlow:
         params: list[Tensor],
         masters: list[Tensor],
         scratch: list[Tensor],
-        groups: Optional[list[list[int]]] = None,
+        layout: Optional[FlatLayout] = None,
     ) -> Tensor:
         """Whether each half weight of ``params`` differs from its master rounded (see :func:`edit_flags`)."""
-        return edit_flags(params, masters, scratch, groups)
+        return edit_flags(params, masters, scratch, layout)
 
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """Round ``masters`` into their half parameters ``params``."""
@@ -149,7 +150,7 @@ class GradientFlow:
                     for g, p in zip(halves, params)
                 ]
             )
-            flags = self.edit_flags(params, masters, scratch, None if layout is None else layout.groups)
+            flags = self.edit_flags(params, masters, scratch, layout)
         if _compat.GRAD_DTYPE:  # the parameters carry the fp32 gradients (their half ones are freed now)
             for p, m, f in zip(params, masters, fp32):
                 if p.grad_dtype is not None:
@@ -278,19 +279,13 @@ class GradientFlow:
         ``drop``: also drop them from the module's parameters (Lightning's automatic optimization zeroes them before
         the next backward anyway), so they do not add to the next forward's memory. Otherwise a parameter still
         holding an fp32 gradient gets it back in its own half format, so that the next backward (and DDP's reducer,
-        which insists on the parameter's dtype) accumulates into it as usual.
+        which insists on the parameter's dtype) accumulates into it as usual. The buffer they were views of keeps its
+        views for the next step, its memory given back.
         """
-        for grads in self._kept:
-            for p, m, mg in zip(grads.params, grads.masters, grads.master_grads):
-                m.grad = None
-                g = p.grad
-                if g is mg:
-                    _set_grad(p, None if drop else mg.to(p.dtype))
-                elif g is None and _compat.GRAD_DTYPE and p.grad_dtype is None:
-                    p.grad_dtype = (
-                        p.dtype
-                    )  # zero_grad dropped the fp32 gradient: autograd casts to the half format again
+        for i in range(len(self._kept)):  # by index: a loop variable would still hold a step's gradients below
+            _release(self._kept[i], drop)
         self._kept.clear()
+        self.groups.layouts.release()
 
 
 def _chunks(params: list[Tensor], budget: int = 2**24) -> Iterator[tuple[int, int]]:
@@ -305,6 +300,17 @@ def _chunks(params: list[Tensor], budget: int = 2**24) -> Iterator[tuple[int, in
             start, size = i + 1, 0
     if start < len(params):
         yield start, len(params)
+
+
+def _release(grads: Gradients, drop: bool) -> None:
+    """:meth:`GradientFlow.release` of one step's gradients."""
+    for p, m, mg in zip(grads.params, grads.masters, grads.master_grads):
+        m.grad = None
+        g = p.grad
+        if g is mg:
+            _set_grad(p, None if drop else mg.to(p.dtype))
+        elif g is None and _compat.GRAD_DTYPE and p.grad_dtype is None:
+            p.grad_dtype = p.dtype  # zero_grad dropped the fp32 gradient: autograd casts to the half format again
 
 
 def _set_grad(p: Tensor, grad: Optional[Tensor]) -> None:

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
 from lightning_mpt.core.masters._edits import bits_differ, copy_into_masters
+from lightning_mpt.core.masters._flat import FlatLayout
 from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedMasters, chunkable
 
 __all__ = ["RemainderMasters", "fingerprint", "join", "split"]
@@ -252,7 +253,7 @@ class RemainderMasters(ChunkedMasters):
         params: list[Tensor],
         masters: list[Tensor],
         scratch: list[Tensor],
-        groups: Optional[list[list[int]]] = None,
+        layout: Optional[FlatLayout] = None,
     ) -> Tensor:
         """Per weight of ``params``: edited since its master was last written (asleep: its fingerprint changed, and
         the master has taken the edit already; woken for this step and not handed out: the same, as the weight is
