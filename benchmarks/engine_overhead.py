@@ -3,6 +3,7 @@
 
     python benchmarks/engine_overhead.py                        # deep_mlp (400 tensors), fp16 with a scaler
     python benchmarks/engine_overhead.py --steps 200 --threads 1
+    python benchmarks/engine_overhead.py --parts                # also: where the time goes, method by method
 
 Each phase of every step is timed with ``time.perf_counter`` around the engine's calls (``decide``: the masters'
 ``prepare`` and the one host sync; ``step``: ``enter``, the optimizer, ``exit``; ``release``), and the optimizer's
@@ -75,6 +76,34 @@ def mpt_round(steps: int, depth: int, width: int, dtype: torch.dtype) -> dict[st
     return times
 
 
+def timed_parts() -> dict[str, list[float]]:
+    """Time the masters' inner methods by wrapping them (``--parts``): seconds of each call, per method."""
+    from lightning_mpt.core.masters import _edits, _flow, _groups
+
+    wrapped = [
+        (_flow.GradientFlow, "collect", "collect (which gradients)"),
+        (_flow.GradientFlow, "_to_fp32", "copy to fp32 (all)"),
+        (_edits, "_any_edited", "  of which: edit check"),
+        (_flow, "_unscale_", "unscale"),
+        (_flow.GradientFlow, "sync_edits", "sync_edits"),
+        (_groups.GroupSwap, "swap", "swap (x2)"),
+        (_flow.GradientFlow, "write_back", "write back"),
+        (_flow.GradientFlow, "release", "release (x2)"),
+    ]
+    spent: dict[str, list[float]] = {label: [] for _, _, label in wrapped}
+    for owner, name, label in wrapped:
+        original = getattr(owner, name)
+
+        def timed(*args, _f=original, _label=label, **kwargs):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            out = _f(*args, **kwargs)
+            spent[_label].append(time.perf_counter() - t)
+            return out
+
+        setattr(owner, name, timed if not isinstance(original, staticmethod) else staticmethod(timed))
+    return spent
+
+
 def scaler_round(steps: int, depth: int, width: int) -> dict[str, list[float]]:
     model = deep_mlp(depth, width)
     opt = Timed(model.parameters(), lr=1e-3)
@@ -105,9 +134,11 @@ def main() -> None:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--parts", action="store_true", help="also time the masters' inner methods (adds a little to each)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    parts = timed_parts() if args.parts else {}
     per_round: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for times in (
@@ -119,6 +150,13 @@ def main() -> None:
     print(f"deep_mlp {args.depth} x Linear({args.width}, {args.width}), {args.dtype}, {args.rounds} rounds, ms/step")
     for name, values in per_round.items():
         print(f"  {name:18s} {statistics.median(values):7.3f}  [{min(values):.3f}-{max(values):.3f}]")
+    # per round (both measured on the same machine state, one right after the other): robust to a shared machine
+    ratios = [total / scaler for total, scaler in zip(per_round["total"], per_round["unscale_+update"])]
+    print(f"  {'total / GradScaler':18s} {statistics.median(ratios):7.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+    if parts:
+        print("the masters' inner methods, ms per step (mean over every step of every round; x2: two calls a step)")
+        for label, values in parts.items():
+            print(f"  {label:26s} {1000 * sum(values) / (args.rounds * args.steps):7.3f}")
 
 
 if __name__ == "__main__":
