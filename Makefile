@@ -47,13 +47,16 @@ docs: $(STAMP)
 bench: $(STAMP)  ## speed ratios (5 interleaved rounds), bandwidth floor, memory and profile against Lightning's precisions (benchmarks/README.md)
 	$(PY) benchmarks/run_all.py
 
-gpu-check: $(STAMP)  ## on a CUDA machine: the CUDA tests (fp8 included), GPT-2 small per precision -> build/gpu-check.md, and bf16-mixed vs MPTPrecision("bf16") vs fp8 -> build/gpu-fp8.md
+gpu-check: $(STAMP)  ## on a CUDA machine: the CUDA tests (fp8 included), GPT-2 small per precision -> build/gpu-check.md, bf16-mixed vs MPTPrecision("bf16") vs fp8 -> build/gpu-fp8.md, the memory modes' step time and the plugin's host time -> build/gpu-memory.md
 	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || { echo "gpu-check: no CUDA GPU on this machine; nothing to check."; exit 0; }; \
-	$(PY) -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_fp8.py; tests=$$?; \
+	mkdir -p build; $(PY) -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_fp8.py; tests=$$?; \
 	$(PY) benchmarks/run_all.py --accelerator gpu --max-minutes 5 --out build/gpu-check.md; bench=$$?; \
 	$(PY) benchmarks/gpu_fp8.py --out build/gpu-fp8.md; fp8=$$?; \
-	echo "gpu-check: CUDA tests exit $$tests, benchmark exit $$bench, fp8 benchmark exit $$fp8; tables in build/gpu-check.md, build/gpu-fp8.md"; \
-	test $$tests -eq 0 && test $$bench -eq 0 && test $$fp8 -eq 0
+	{ $(PY) benchmarks/step_time.py --accelerator gpu --workloads transformer --no-floor --quiet --rounds 5 \
+		--precisions bf16-mixed mpt-bf16 mpt-bf16-chunked mpt-bf16-remainders \
+	  && $(PY) benchmarks/engine_overhead.py --device cuda --rounds 5 --parts; } > build/gpu-memory.md; memory=$$?; \
+	echo "gpu-check: CUDA tests exit $$tests, benchmark exit $$bench, fp8 benchmark exit $$fp8, memory modes exit $$memory; tables in build/gpu-check.md, build/gpu-fp8.md, build/gpu-memory.md"; \
+	test $$tests -eq 0 && test $$bench -eq 0 && test $$fp8 -eq 0 && test $$memory -eq 0
 
 LIGHTNING_TESTS ?= build/lightning-tests
 LIGHTNING_COMMIT := be98784a1a03581b7051a355ae1084fd352d7cea  # tag 2.6.5, the one scripts/peer/SELECTED.txt was curated at

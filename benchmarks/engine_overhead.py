@@ -4,6 +4,7 @@
     python benchmarks/engine_overhead.py                        # deep_mlp (400 tensors), fp16 with a scaler
     python benchmarks/engine_overhead.py --steps 200 --threads 1
     python benchmarks/engine_overhead.py --parts                # also: where the time goes, method by method
+    python benchmarks/engine_overhead.py --device cuda          # the host time on a GPU (make gpu-check)
 
 Each phase of every step is timed with ``time.perf_counter`` around the engine's calls (``decide``: the masters'
 ``prepare`` and the one host sync; ``step``: ``enter``, the optimizer, ``exit``; ``release``), and the optimizer's
@@ -48,20 +49,27 @@ class Timed(torch.optim.AdamW):
         return out
 
 
-def mpt_round(steps: int, depth: int, width: int, dtype: torch.dtype) -> dict[str, list[float]]:
-    model = deep_mlp(depth, width)
+def settle(device: torch.device) -> None:
+    """On a GPU: wait for the queued kernels, so that a phase's host time does not include the backward's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mpt_round(steps: int, depth: int, width: int, dtype: torch.dtype, device: torch.device) -> dict[str, list[float]]:
+    model = deep_mlp(depth, width).to(device)
     engine = MixedPrecisionEngine(CopyMasters(dtype), DynamicLossScaler(init_scale=2.0**10))
     engine.convert(model)
     opt = Timed(model.parameters(), lr=1e-3)
-    x, y = torch.randn(16, width), torch.randn(16, width)
+    x, y = torch.randn(16, width, device=device), torch.randn(16, width, device=device)
     times: dict[str, list[float]] = {"decide": [], "step (plugin)": [], "release": [], "total": []}
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.release_gradients(drop=True)
         t1 = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype, enabled=False):
+        with torch.autocast(device.type, dtype=dtype, enabled=False):
             loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
         engine.scale_loss(loss).backward()
+        settle(device)
         t2 = time.perf_counter()
         pending = engine.decide(opt)
         t3 = time.perf_counter()
@@ -104,15 +112,16 @@ def timed_parts() -> dict[str, list[float]]:
     return spent
 
 
-def scaler_round(steps: int, depth: int, width: int) -> dict[str, list[float]]:
-    model = deep_mlp(depth, width)
+def scaler_round(steps: int, depth: int, width: int, device: torch.device) -> dict[str, list[float]]:
+    model = deep_mlp(depth, width).to(device)
     opt = Timed(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    x, y = torch.randn(16, width), torch.randn(16, width)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
+    x, y = torch.randn(16, width, device=device), torch.randn(16, width, device=device)
     times: dict[str, list[float]] = {"unscale_+update": []}
     for _ in range(steps):
         loss = nn.functional.mse_loss(model(x), y)
         scaler.scale(loss).backward()
+        settle(device)
         t0 = time.perf_counter()
         scaler.unscale_(opt)
         t1 = time.perf_counter()
@@ -134,20 +143,23 @@ def main() -> None:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the host time of the same phases on a GPU")
     p.add_argument("--parts", action="store_true", help="also time the masters' inner methods (adds a little to each)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    device = torch.device(args.device)
     parts = timed_parts() if args.parts else {}
     per_round: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for times in (
-            mpt_round(args.steps, args.depth, args.width, dtype),
-            scaler_round(args.steps, args.depth, args.width),
+            mpt_round(args.steps, args.depth, args.width, dtype, device),
+            scaler_round(args.steps, args.depth, args.width, device),
         ):
             for name, values in times.items():
                 per_round.setdefault(name, []).append(1000 * statistics.median(values[args.warmup :]))
-    print(f"deep_mlp {args.depth} x Linear({args.width}, {args.width}), {args.dtype}, {args.rounds} rounds, ms/step")
+    shape = f"{args.depth} x Linear({args.width}, {args.width})"
+    print(f"deep_mlp {shape}, {args.dtype}, {device.type}, {args.rounds} rounds, host ms/step")
     for name, values in per_round.items():
         print(f"  {name:18s} {statistics.median(values):7.3f}  [{min(values):.3f}-{max(values):.3f}]")
     # per round (both measured on the same machine state, one right after the other): robust to a shared machine

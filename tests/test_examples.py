@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -298,3 +299,15 @@ def test_fp8_transformer_names_the_outlier_layer(tmp_path: Path, capsys: pytest.
     report = build_report(tmp_path)
     assert (report.runs[0].fp8[0].layer, report.runs[0].fp8[0].role) == ("blocks.0.fc1", "input")
     assert any(a.rule == "fp8_keep_bf16" for a in report.runs[0].advice)
+
+
+def test_engine_overhead_runs_and_prints_its_ratio_and_parts() -> None:
+    """``benchmarks/engine_overhead.py``'s path (the engine's phases, GradScaler's, the per-round ratio, ``--parts``)
+    on a small ``deep_mlp``: it runs and prints every line. Timings are not checked."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_overhead.py"), "--rounds", "2", "--steps", "6"]
+    result = subprocess.run([*cmd, "--warmup", "2", "--depth", "4", "--parts"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert re.search(r"total / GradScaler +\d+\.\d+x \[\d+\.\d+-\d+\.\d+\]", out), out
+    for part in ("collect", "copy to fp32", "edit check", "unscale", "swap", "write back", "release"):
+        assert part in out, out
