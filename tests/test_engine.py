@@ -230,3 +230,30 @@ def test_a_gradient_user_code_keeps_is_never_reused_nor_freed():
     engine.release_gradients(drop=True)
     assert torch.equal(kept, kept_copy)
     assert torch.equal(part, part_copy)
+
+
+def test_a_weight_whose_data_user_code_made_fp32_is_checked_and_its_value_adopted():
+    """The CPU edit check stacks the weights of one shape: one of them fp32 now (``p.data = p.data.float()``, as
+    code written for fp32 may do) makes the stack fp32, which may flag the others, never miss an edit; the exact
+    comparison that follows adopts only the real edit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # two weights of one shape, two biases of another
+    engine = MixedPrecisionEngine(CopyMasters(torch.float16), DynamicLossScaler(init_scale=8.0))
+    edited: list[list[str]] = []
+    engine.on_edits = edited.append
+    engine.convert(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _engine_step(engine, model, opt, 0)
+    engine.release_gradients(drop=True)
+    weight = model[1].weight
+    with torch.no_grad():
+        weight.data = weight.data.float() * 2  # an fp32 tensor of new values
+    expected = weight.detach().clone()
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=torch.float16):  # the layers' weights now differ in dtype
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+    engine.scale_loss(loss).backward()
+    pending = engine.decide(opt)
+    assert edited == [["1.weight"]]  # only the weight whose values changed, though its whole shape group was flagged
+    assert torch.equal(engine.masters.master_of(weight), expected)  # its master took the new values before the step
+    engine.step(opt, pending)
