@@ -35,7 +35,7 @@ class _StateMirror:
     """An optimizer's state twice: its own dict keyed by the parameters, and ours keyed by the masters, holding the
     same entries (each parameter's state dict object), so that a swap is one attribute assignment."""
 
-    by_params: defaultdict[Tensor, Any]  # the optimizer's own object: Lightning's ``LightningOptimizer`` shares it
+    by_params: defaultdict[Tensor, Any]  # the optimizer's own object: code may keep a reference to it
     by_masters: defaultdict[Tensor, Any] = field(init=False)
 
     def __post_init__(self) -> None:
