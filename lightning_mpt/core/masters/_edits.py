@@ -72,11 +72,12 @@ def _any_edited(params: list[Tensor], masters: list[Tensor], layout: Optional[Fl
         if any(h.dtype != dtype for h in halves):  # a weight's data replaced by another format: the widest
             dtype = functools.reduce(torch.promote_types, [h.dtype for h in halves])
             halves = [h.to(dtype) for h in halves]
-        flat, views = layout.views(dtype, masters[0].device)  # (as the masters, 4 more bytes per parameter in fp32)
+        # not the step's gradient buffer, which the caller holds now: a purpose of its own
+        flat, views = layout.views(dtype, masters[0].device, "rounded masters")
         _compat.foreach_copy_(views, masters)
         # one comparison per shape: concatenating the stacks would hold 4 more bytes per parameter at the step's peak
         differ = torch.stack([bits_differ(h, flat[o : o + h.numel()]) for h, o in zip(halves, layout.offsets)]).any()
-    layout.release(dtype)  # the rounded masters are dead: their memory goes back now
+    layout.release("rounded masters")  # dead now: their memory goes back
     return differ
 
 

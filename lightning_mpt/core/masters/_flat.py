@@ -75,12 +75,14 @@ class FlatLayout:
         self.position = [0] * len(tensors)  # tensor i -> its view's place in the blocks' order
         for pos, i in enumerate(i for idx in groups.values() for i in idx):
             self.position[i] = pos
-        self._kept: dict[tuple[torch.dtype, torch.device], _Kept] = {}
+        self._kept: dict[tuple[str, torch.dtype, torch.device], _Kept] = {}
 
-    def views(self, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[Tensor]]:
+    def views(self, dtype: torch.dtype, device: torch.device, purpose: str = "") -> tuple[Tensor, list[Tensor]]:
         """A flat buffer and the views of it shaped as the tensors, in their order (contiguous each), their values
-        undefined: the last call's again when nothing else holds them now (see :meth:`release`), else new ones."""
-        key = (dtype, device)
+        undefined: the last call's for the same ``purpose`` again when nothing else holds them now (see
+        :meth:`release`), else new ones. Each use held at once needs a purpose of its own: the caller's own lists do
+        not count as holding the views."""
+        key = (purpose, dtype, device)
         kept = self._kept.get(key)
         if kept is not None:
             if kept.free():
@@ -99,12 +101,12 @@ class FlatLayout:
             offset += count * n
         return [parts[j] for j in self.position]
 
-    def release(self, dtype: Optional[torch.dtype] = None) -> None:
-        """Between steps: the memory of each buffer (of ``dtype``, or all) that nothing else holds goes back (its
+    def release(self, purpose: Optional[str] = None) -> None:
+        """Between steps: the memory of each buffer (of ``purpose``, or all) that nothing else holds goes back (its
         views are kept for the next step); a buffer that something still holds is forgotten, and freed when its holder
         lets go."""
         for key, kept in list(self._kept.items()):
-            if (dtype is None or key[0] == dtype) and not (kept.free() and kept.sleep()):
+            if (purpose is None or key[0] == purpose) and not (kept.free() and kept.sleep()):
                 del self._kept[key]
 
 
