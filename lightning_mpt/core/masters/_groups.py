@@ -110,15 +110,15 @@ class GroupSwap:
             optimizer.state = mirror.by_params
         else:  # a state loaded while the groups held the masters: its keys are renamed in place, and it is kept
             self._mirrors.pop(optimizer, None)
-            moved = {self._param_of.get(k, k): v for k, v in state.items()}
-            state.clear()
-            state.update(moved)
+            self._rename(state, state, self._param_of)
 
     @staticmethod
     def _rename(source: dict[Tensor, Any], target: dict[Tensor, Any], names: dict[Tensor, Tensor]) -> None:
-        """Make ``target`` (in place: others may hold it) the entries of ``source`` in its order, keyed by ``names``."""
+        """Make ``target`` (in place: others may hold it; it may be ``source``) the entries of ``source`` in its
+        order, keyed by ``names``."""
+        renamed = [(names.get(k, k), v) for k, v in source.items()]
         target.clear()
-        target.update((names.get(k, k), v) for k, v in source.items())
+        target.update(renamed)
 
     def plan(self, optimizer: Optimizer) -> GroupPlan:
         """Where ``optimizer``'s parameters with masters sit in its groups; rebuilt when the groups change."""
