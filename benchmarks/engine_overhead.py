@@ -114,7 +114,7 @@ def timed_parts() -> dict[str, list[float]]:
             spent[_label].append(clock() - t)
             return out
 
-        setattr(owner, name, timed if not isinstance(original, staticmethod) else staticmethod(timed))
+        setattr(owner, name, timed)
     return spent
 
 
