@@ -626,3 +626,39 @@ def test_a_second_fit_on_the_same_module(precision):
     model.net[0].weight.grad = None
     (model(torch.randn(2, 16)).sum()).backward()  # and the module is a plain fp32 module again
     assert model.net[0].weight.grad.dtype == torch.float32
+
+
+class AssignsGradients(TinyMLP):
+    """SGD whose ``on_before_optimizer_step`` replaces the first weight's gradient with a constant and drops the first
+    bias's, recording the masters of both around each step."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd", lr=0.5)
+        self.records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        weight, bias = self.net[0].weight, self.net[0].bias
+        weight.grad = torch.full_like(weight.grad, 0.25)
+        bias.grad = None
+        masters = self.trainer.precision_plugin.main_params(optimizer)
+        self.records.append((masters[0].detach().clone(), masters[1].detach().clone(), masters[0], masters[1]))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        before_w, before_b, master_w, master_b = self.records[-1]
+        self.records[-1] = (before_w, before_b, master_w.detach().clone(), master_b.detach().clone())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_gradient_assigned_or_dropped_by_a_hook_is_what_the_optimizer_steps(precision):
+    """A hook that assigns a parameter's gradient before the step has the optimizer step with it; one that drops a
+    gradient has the optimizer leave that parameter alone. Bitwise: SGD's update of a master is one fp32 operation,
+    ``master - lr * grad`` with ``lr * grad = 0.125`` exact, whatever the machine."""
+    torch.manual_seed(0)
+    model = AssignsGradients()
+    plugin = MPTPrecision(precision, scaler=64.0) if precision == "fp16" else MPTPrecision(precision)
+    quiet_trainer(max_steps=3, plugins=[plugin]).fit(model, regression_data())
+    assert plugin.skipped_steps == 0
+    assert len(model.records) == 3
+    for before_w, before_b, after_w, after_b in model.records:
+        assert torch.equal(after_w, before_w - 0.125)
+        assert torch.equal(after_b, before_b)

@@ -76,9 +76,9 @@ def _any_edited(params: list[Tensor], masters: list[Tensor], layout: Optional[Fl
         flat, views = layout.views(dtype, masters[0].device, "rounded masters")
         _compat.foreach_copy_(views, masters)
         # one comparison per shape: concatenating the stacks would hold 4 more bytes per parameter at the step's peak
-        differ = torch.stack([bits_differ(h, flat[o : o + h.numel()]) for h, o in zip(halves, layout.offsets)]).any()
+        same = all(_bits_equal(h, flat[o : o + h.numel()]) for h, o in zip(halves, layout.offsets))
     layout.release("rounded masters")  # dead now: their memory goes back
-    return differ
+    return torch.tensor(not same)
 
 
 def edit_flags_of(pairs: list[tuple[Tensor, Tensor]]) -> list[float]:
@@ -108,10 +108,22 @@ def copy_into_masters(pairs: list[tuple[Tensor, Tensor]]) -> None:
             _compat.foreach_copy_([m for _, m in pairs], [p for p, _ in pairs])
 
 
+def _bits_equal(a: Tensor, b: Tensor) -> bool:
+    """Whether two flat half tensors on the CPU hold the same bits (:func:`bits_differ` read at once: the CPU needs no
+    sync, and ``torch.equal`` stops at the first difference)."""
+    word = _word(a, b)
+    return torch.equal(a.view(word), b.view(word))
+
+
+def _word(a: Tensor, b: Tensor) -> torch.dtype:
+    """The integer type to compare two flat half tensors in: int64 words of four values where the layout allows."""
+    aligned = a.numel() % 4 == 0 and a.storage_offset() % 4 == 0 and b.storage_offset() % 4 == 0
+    return torch.int64 if aligned else torch.int16
+
+
 def bits_differ(a: Tensor, b: Tensor) -> Tensor:
     """Whether two half tensors of one shape differ in any bit (0-dim, on their device), compared as integers: as
     int64 words of four values where the layout allows, else value by value as int16."""
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    aligned = a.numel() % 4 == 0 and a.storage_offset() % 4 == 0 and b.storage_offset() % 4 == 0
-    word = torch.int64 if aligned else torch.int16
+    word = _word(a, b)
     return torch.ne(a.view(word), b.view(word)).any()

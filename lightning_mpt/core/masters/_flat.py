@@ -22,14 +22,13 @@ class _Kept:
         self.flat, self.views = flat, views
         self.nbytes = flat.untyped_storage().nbytes()
         self.holders = _compat.storage_holders(flat)
-        self.refs = list(map(sys.getrefcount, views))
+        # taken while only ``views`` holds them: no count can be lower later, so equal sums mean equal counts
+        self.refs = sum(map(sys.getrefcount, views))
 
     def free(self) -> bool:
         """Whether nothing else holds the buffer, a view of it, or one of its views' Python objects (a hook may have
         kept a gradient): only then may its memory be given back, or its values overwritten."""
-        return (
-            _compat.storage_holders(self.flat) == self.holders and list(map(sys.getrefcount, self.views)) == self.refs
-        )
+        return _compat.storage_holders(self.flat) == self.holders and sum(map(sys.getrefcount, self.views)) == self.refs
 
     def sleep(self) -> bool:
         """Give the memory back, keeping the views; ``False`` where the storage cannot be resized."""

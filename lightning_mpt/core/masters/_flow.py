@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Generator, Iterator
 from itertools import repeat
-from operator import is_not
+from operator import attrgetter, is_, is_not
 from typing import Optional
 
 import torch
@@ -20,6 +20,7 @@ from lightning_mpt.core.masters._edits import edit_flags
 from lightning_mpt.core.masters._flat import FlatLayout
 from lightning_mpt.core.masters._groups import GroupPlan, GroupSwap
 
+_DTYPE, _GRAD = attrgetter("dtype"), attrgetter("grad")
 _SPARSE = "MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False)."
 
 
@@ -119,7 +120,11 @@ class GradientFlow:
         # torch < 2.13, a step taken again: the half copies the last step left on the parameters stand for its exact
         # fp32 gradients, which are stepped again unrounded
         exact = self._kept_exactly() if self._kept and not _compat.GRAD_DTYPE else {}
-        usual = not exact and all(g.dtype is p.dtype and g.is_contiguous() for g, p in zip(halves, params))
+        usual = (
+            not exact
+            and list(map(_DTYPE, halves)) == list(map(_DTYPE, params))
+            and all(map(Tensor.is_contiguous, halves))
+        )
         if not usual and any(g.is_sparse for g in halves):
             raise RuntimeError(_SPARSE)
         layout = self.groups.layouts.get(masters) if usual else None
@@ -153,8 +158,7 @@ class GradientFlow:
             flags = self.edit_flags(params, masters, scratch, layout)
         if _compat.GRAD_DTYPE:  # the parameters carry the fp32 gradients (their half ones are freed now)
             for p, m, f in zip(params, masters, fp32):
-                if p.grad_dtype is not None:
-                    p.grad_dtype = None
+                p.grad_dtype = None  # pinned to the half format since the last release
                 p.grad = f
                 m.grad = f
         else:  # the parameters keep their half gradients, which will show the unscaled values
@@ -177,6 +181,8 @@ class GradientFlow:
         """Make the master gradients what hooks left on the parameters since :meth:`prepare`: a gradient edited in
         place (torch < 2.13 shows half copies), assigned, or set to ``None`` (then the optimizer skips it)."""
         if _compat.GRAD_DTYPE:  # the parameters show the master gradients themselves: only reassignments matter
+            if all(map(is_, map(_GRAD, grads.params), grads.master_grads)):  # the usual case: none (a C-level pass)
+                return
             for i, (p, mg) in enumerate(zip(grads.params, grads.master_grads)):
                 now = p.grad
                 if now is not mg:

@@ -73,7 +73,7 @@ class GroupSwap:
         self.masters = masters
         self.converted = converted
         self._plans: dict[Optimizer, GroupPlan] = {}
-        self._param_of: dict[Tensor, Tensor] = {}  # master -> parameter: the groups may hold the masters right now
+        self._masters_params: Optional[dict[Tensor, Tensor]] = {}  # master -> parameter, made when first needed
         self._mirrors: dict[Optimizer, _StateMirror] = {}
         self.layouts = FlatLayouts()  # of the masters' fp32 gradients, one per range of an optimizer's masters
 
@@ -81,9 +81,16 @@ class GroupSwap:
         """The masters changed (made, moved, dropped): plans are rebuilt at their next use."""
         self._plans.clear()
         self.layouts.clear()  # it keeps the masters it was made for
-        self._param_of = {m: p for p, m in self.masters.items()}
+        self._masters_params = None  # made again at its next use: a conversion adds the masters one by one
         # mirrors keyed by the old masters go; one whose optimizer is stepping now is swapped back first
         self._mirrors = {o: m for o, m in self._mirrors.items() if o.state is m.by_masters}
+
+    @property
+    def _param_of(self) -> dict[Tensor, Tensor]:
+        """Master -> parameter (the groups may hold the masters right now)."""
+        if self._masters_params is None:
+            self._masters_params = {m: p for p, m in self.masters.items()}
+        return self._masters_params
 
     def swap(self, optimizer: Optimizer, to_masters: bool) -> None:
         """Put the masters (or back the parameters) into ``optimizer.param_groups``, in place, with their state.
