@@ -5,6 +5,7 @@
     python benchmarks/engine_overhead.py --steps 200 --threads 1
     python benchmarks/engine_overhead.py --parts                # also: where the time goes, method by method
     python benchmarks/engine_overhead.py --device cuda          # the host time on a GPU (make gpu-check)
+    python benchmarks/engine_overhead.py --convert 2000          # conversion time: 2000 and 8000 tensors
 
 Each phase of every step is timed around the engine's calls (``decide``: the masters' ``prepare`` and the one host
 sync; ``step``: ``enter``, the optimizer, ``exit``; ``release``), and the optimizer's own ``step`` alone is timed in
@@ -140,6 +141,16 @@ def scaler_round(steps: int, depth: int, width: int, device: torch.device) -> di
     return times
 
 
+def conversion(tensors: int, dtype: torch.dtype) -> float:
+    """Seconds to convert, then restore, a module of ``tensors`` small parameters (``--convert``)."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(tensors // 2)])
+    engine = MixedPrecisionEngine(CopyMasters(dtype), None)
+    t = time.perf_counter()
+    engine.convert(model)
+    engine.restore()
+    return time.perf_counter() - t
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
@@ -152,6 +163,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda: the host time of the same phases on a GPU")
     p.add_argument("--clock", choices=["thread", "wall"], help="default: thread on a CPU, wall on a GPU")
     p.add_argument("--parts", action="store_true", help="also time the masters' inner methods (adds a little to each)")
+    p.add_argument(
+        "--convert", type=int, metavar="N", help="instead: convert and restore N and 4N tensors (linear: ratio ~4)"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
@@ -162,6 +176,13 @@ def main() -> None:
         if (args.clock or ("thread" if device.type == "cpu" else "wall")) == "thread"
         else time.perf_counter
     )
+    if args.convert:
+        small, large = (min(conversion(n, dtype) for _ in range(3)) for n in (args.convert, 4 * args.convert))
+        print(
+            f"convert + restore, best of 3: {args.convert} tensors {small:.3f} s, {4 * args.convert} tensors "
+            f"{large:.3f} s: {large / small:.1f}x for 4x the tensors"
+        )
+        return
     parts = timed_parts() if args.parts else {}
     per_round: dict[str, list[float]] = {}
     for _ in range(args.rounds):

@@ -302,8 +302,8 @@ def test_fp8_transformer_names_the_outlier_layer(tmp_path: Path, capsys: pytest.
 
 
 def test_engine_overhead_runs_and_prints_its_ratio_and_parts() -> None:
-    """``benchmarks/engine_overhead.py``'s path (the engine's phases, GradScaler's, the per-round ratio, ``--parts``)
-    on a small ``deep_mlp``: it runs and prints every line. Timings are not checked."""
+    """``benchmarks/engine_overhead.py``'s paths (the engine's phases, GradScaler's, the per-round ratio, ``--parts``,
+    ``--convert``) on small models: it runs and prints every line. Timings are not checked."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_overhead.py"), "--rounds", "2", "--steps", "6"]
     result = subprocess.run([*cmd, "--warmup", "2", "--depth", "4", "--parts"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -311,3 +311,6 @@ def test_engine_overhead_runs_and_prints_its_ratio_and_parts() -> None:
     assert re.search(r"total / GradScaler +\d+\.\d+x \[\d+\.\d+-\d+\.\d+\]", out), out
     for part in ("collect", "copy to fp32", "edit check", "unscale", "swap", "write back", "release"):
         assert part in out, out
+    result = subprocess.run([*cmd, "--convert", "40"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"40 tensors \d+\.\d+ s, 160 tensors \d+\.\d+ s: \d+\.\dx", result.stdout), result.stdout
