@@ -4,6 +4,7 @@
     python benchmarks/engine_overhead.py                        # deep_mlp (400 tensors), fp16 with a scaler
     python benchmarks/engine_overhead.py --steps 200 --threads 1
     python benchmarks/engine_overhead.py --parts                # also: where the time goes, method by method
+    python benchmarks/engine_overhead.py --floor                # also: the tensor work alone, without bookkeeping
     python benchmarks/engine_overhead.py --device cuda          # the host time on a GPU (make gpu-check)
     python benchmarks/engine_overhead.py --convert 2000          # conversion time: 2000 and 8000 tensors
 
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -151,6 +152,42 @@ def conversion(tensors: int, dtype: torch.dtype) -> float:
     return time.perf_counter() - t
 
 
+def tensor_passes(steps: int, depth: int, width: int, dtype: torch.dtype, device: torch.device) -> list[float]:
+    """Seconds per step of the plugin's tensor work alone, without its bookkeeping (``--floor``): the half gradients
+    copied into one fp32 buffer, the edit check (the half weights stacked per shape, the masters rounded into a half
+    buffer, the bits compared), the unscale with its non-finite check, and the masters rounded into the weights."""
+    by_shape: dict[torch.Size, list[Tensor]] = {}
+    for p in deep_mlp(depth, width).to(device).parameters():
+        by_shape.setdefault(p.shape, []).append(p.detach().to(dtype))
+    groups = list(by_shape.values())  # as the plugin lays them out: each shape's tensors side by side
+    halves = [h for group in groups for h in group]
+    masters = [h.float() for h in halves]
+    grads = [torch.randn_like(h) for h in halves]
+    sizes = [len(group) * group[0].numel() for group in groups]
+    fp32 = torch.empty(sum(sizes), device=device)
+    rounded = torch.empty_like(fp32, dtype=dtype)
+    views, rounded_views, offset = [], [], 0
+    for m in masters:
+        views.append(fp32[offset : offset + m.numel()].view_as(m))
+        rounded_views.append(rounded[offset : offset + m.numel()].view_as(m))
+        offset += m.numel()
+    blocks = list(rounded.split(sizes))
+    found, inv = torch.zeros((), device=device), torch.full((), 1 / 1024, device=device)
+    times = []
+    for _ in range(steps):
+        settle(device)
+        t = clock()
+        torch._foreach_copy_(views, grads)
+        stacks = [torch.stack(group).reshape(-1) for group in groups]
+        torch._foreach_copy_(rounded_views, masters)
+        [torch.equal(s.view(torch.int16), b.view(torch.int16)) for s, b in zip(stacks, blocks)]
+        torch._amp_foreach_non_finite_check_and_unscale_([fp32], found, inv)
+        torch._foreach_copy_(halves, masters)
+        settle(device)
+        times.append(clock() - t)
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
@@ -163,6 +200,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda: the host time of the same phases on a GPU")
     p.add_argument("--clock", choices=["thread", "wall"], help="default: thread on a CPU, wall on a GPU")
     p.add_argument("--parts", action="store_true", help="also time the masters' inner methods (adds a little to each)")
+    p.add_argument("--floor", action="store_true", help="also time the tensor work alone (the copies and compares)")
     p.add_argument(
         "--convert", type=int, metavar="N", help="instead: convert and restore N and 4N tensors (linear: ratio ~4)"
     )
@@ -183,6 +221,13 @@ def main() -> None:
             f"{large:.3f} s: {large / small:.1f}x for 4x the tensors"
         )
         return
+    if args.floor:
+        floor = [
+            1000 * statistics.median(tensor_passes(args.steps, args.depth, args.width, dtype, device)[args.warmup :])
+            for _ in range(args.rounds)
+        ]
+        spread = f"[{min(floor):.3f}-{max(floor):.3f}]"
+        print(f"the plugin's tensor work alone, ms/step: {statistics.median(floor):.3f} {spread}")
     parts = timed_parts() if args.parts else {}
     per_round: dict[str, list[float]] = {}
     for _ in range(args.rounds):

@@ -303,12 +303,15 @@ def test_fp8_transformer_names_the_outlier_layer(tmp_path: Path, capsys: pytest.
 
 def test_engine_overhead_runs_and_prints_its_ratio_and_parts() -> None:
     """``benchmarks/engine_overhead.py``'s paths (the engine's phases, GradScaler's, the per-round ratio, ``--parts``,
-    ``--convert``) on small models: it runs and prints every line. Timings are not checked."""
+    ``--floor``, ``--convert``) on small models: it runs and prints every line. Timings are not checked."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_overhead.py"), "--rounds", "2", "--steps", "6"]
-    result = subprocess.run([*cmd, "--warmup", "2", "--depth", "4", "--parts"], capture_output=True, text=True)
+    result = subprocess.run(
+        [*cmd, "--warmup", "2", "--depth", "4", "--parts", "--floor"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert re.search(r"total / GradScaler +\d+\.\d+x \[\d+\.\d+-\d+\.\d+\]", out), out
+    assert re.search(r"tensor work alone, ms/step: \d+\.\d+ \[", out), out
     for part in ("collect", "copy to fp32", "edit check", "unscale", "swap", "write back", "release"):
         assert part in out, out
     result = subprocess.run([*cmd, "--convert", "40"], capture_output=True, text=True)
