@@ -96,6 +96,32 @@ def test_trains_on_cuda_with_half_weights_and_fp32_masters(fmt: str) -> None:
     assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.float32, "cuda")}  # fp32 after fit
 
 
+class KeepsHalfGradients(L.Callback):
+    """Keeps the half gradients after the first two backwards with copies, as a gradient logger may."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_after_backward(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_step < 2:
+            # the half ones: fp32 (norm) parameters' gradients are unscaled in place, as torch's GradScaler does
+            self.kept += [(p.grad, p.grad.clone()) for p in module.parameters() if p.grad.dtype != torch.float32]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_half_gradients_a_callback_keeps_are_not_the_edit_checks_scratch(fmt: str) -> None:
+    """The GPU's check for edited weights rounds the masters into a buffer of its own: a half gradient that user code
+    holds after the backward keeps its values through the step (the gradients once served as that scratch)."""
+    torch.manual_seed(0)
+    keeps = KeepsHalfGradients()
+    plugin = MPTPrecision(fmt, scaler=64.0) if fmt == "fp16" else MPTPrecision(fmt)
+    gpu_trainer(max_steps=4, plugins=[plugin], callbacks=[keeps]).fit(TinyMLP(), regression_data(n=64))
+    assert plugin.skipped_steps == 0
+    assert len(keeps.kept) == 8  # 4 half parameters, 2 steps
+    for kept, value in keeps.kept:
+        assert torch.equal(kept, value)
+
+
 # ------------------------------------------------------------------------------------------------ fused unscale
 class ScaledGrads(L.Callback):
     """Keeps the scaled half gradients after backward and the master gradients the step sees."""

@@ -11,6 +11,8 @@ from torch import nn
 
 from lightning_mpt import DynamicLossScaler, NonFiniteGradientError
 from lightning_mpt.core.engine import MixedPrecisionEngine
+from lightning_mpt.core.masters._edits import _each_edited
+from lightning_mpt.core.masters._flat import FlatLayout
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.steps import StepLog
 
@@ -193,9 +195,15 @@ def _engine_step(engine: MixedPrecisionEngine, model: nn.Module, opt: torch.opti
     opt.zero_grad()
 
 
-def _kept_buffers(engine: MixedPrecisionEngine) -> list[torch.Tensor]:
+def _kept_buffers(engine: MixedPrecisionEngine) -> list[tuple[str, int]]:
+    """The dtype and the bytes of each buffer the engine keeps (not the buffers: holding one keeps it from reuse)."""
     layouts = engine.masters.groups.layouts._layouts.values()  # type: ignore[attr-defined]
-    return [kept.flat for layout in layouts if layout is not None for kept in layout._kept.values()]
+    return sorted(
+        (str(kept.flat.dtype), kept.flat.untyped_storage().nbytes())
+        for layout in layouts
+        if layout is not None
+        for kept in layout._kept.values()
+    )
 
 
 def test_the_step_gradients_buffer_is_reused_and_holds_no_memory_between_steps():
@@ -208,9 +216,8 @@ def test_the_step_gradients_buffer_is_reused_and_holds_no_memory_between_steps()
         _engine_step(engine, model, opt, step)
         seen.append(id(engine.masters.master_of(model[0].weight).grad))  # the step keeps it until the release
         engine.release_gradients(drop=True)
-        kept = _kept_buffers(engine)  # the fp32 gradients', and the CPU edit check's rounded masters
-        assert sorted(str(t.dtype) for t in kept) == ["torch.float16", "torch.float32"]
-        assert [t.untyped_storage().nbytes() for t in kept] == [0, 0]  # between steps they hold no memory
+        # the fp32 gradients', and the CPU edit check's rounded masters; between steps they hold no memory
+        assert _kept_buffers(engine) == [("torch.float16", 0), ("torch.float32", 0)]
     assert seen[0] == seen[1] == seen[2]  # the same views, step after step
 
 
@@ -257,3 +264,20 @@ def test_a_weight_whose_data_user_code_made_fp32_is_checked_and_its_value_adopte
     assert edited == [["1.weight"]]  # only the weight whose values changed, though its whole shape group was flagged
     assert torch.equal(engine.masters.master_of(weight), expected)  # its master took the new values before the step
     engine.step(opt, pending)
+
+
+def test_the_per_weight_edit_check_of_gpus_flags_each_edited_weight():
+    """The check a GPU runs (fused kernels, a flag per weight; the CPU compares everything at once), run on CPU
+    tensors: masters rounded into a scratch of its own, with and without a layout's reused buffer, an empty weight
+    never flagged, and the buffer given back after the check."""
+    torch.manual_seed(0)
+    masters = [torch.randn(4, 4), torch.randn(3), torch.randn(4, 4), torch.zeros(0)]
+    params = [m.half() for m in masters]
+    layout = FlatLayout(masters)
+    for with_layout in (None, layout):
+        assert _each_edited(params, masters, with_layout).tolist() == [False] * 4
+    params[2][1, 1] += 1
+    params[1][0] = -params[1][0]
+    for with_layout in (None, layout):
+        assert _each_edited(params, masters, with_layout).tolist() == [False, True, True, False]
+    assert [kept.flat.untyped_storage().nbytes() for kept in layout._kept.values()] == [0]

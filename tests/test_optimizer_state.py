@@ -7,6 +7,7 @@ through a real Trainer, and check them against Adam's own algebra and against co
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import lightning as L
@@ -131,18 +132,31 @@ def test_state_entries_an_optimizer_replaces_in_its_step_are_the_ones_seen_after
 
 
 class KeepsGradients(L.Callback):
-    """Keeps, at the first two steps, the gradients that hooks see (the tensors themselves, and a view of one) with
-    copies taken then, as a gradient-noise or a logging callback may."""
+    """Keeps, at the first steps, the gradients that hooks see (the tensors themselves, a view of one, the tensor a
+    gradient is a view of, a gradient's storage) with copies taken then, as a gradient-noise or a logging callback
+    may."""
 
     def __init__(self) -> None:
-        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kept: list[tuple[Any, torch.Tensor]] = []
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        # the master's: a view of the step's buffer (torch < 2.13 shows half copies on the parameters)
+        master_grad = trainer.precision_plugin.main_params(optimizer)[0].grad
         if trainer.global_step == 0:
             self.kept += [(p.grad, p.grad.clone()) for p in module.parameters()]
         elif trainer.global_step == 1:
             view = next(module.parameters()).grad.view(-1)[:4]
             self.kept.append((view, view.clone()))
+        elif trainer.global_step == 2:
+            self.kept.append((master_grad._base, master_grad._base.clone()))
+        elif trainer.global_step == 3:
+            storage = master_grad.untyped_storage()
+            self.kept.append((storage, _bytes_of(storage)))
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A copy of the bytes of ``storage`` (the tensor made to read them is not kept)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage).clone()
 
 
 class Regression(L.LightningModule):
@@ -164,9 +178,10 @@ def test_gradients_a_callback_keeps_are_never_overwritten_by_later_steps(precisi
     quiet_trainer(max_steps=5, callbacks=[keeps], plugins=[MPTPrecision(precision)]).fit(
         Regression(), regression_data()
     )
-    assert len(keeps.kept) == 5  # 4 gradients of the first step, a view of one of the second
-    for kept, copy in keeps.kept:
-        assert torch.equal(kept, copy)
+    # 4 gradients of the first step, a view of one of the second, the buffer of the third, the storage of the fourth
+    assert len(keeps.kept) == 7
+    for kept, value in keeps.kept:
+        assert torch.equal(_bytes_of(kept) if isinstance(kept, torch.UntypedStorage) else kept, value)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -187,3 +202,88 @@ def test_fabric_optimizer_state_is_keyed_by_the_parameters_and_shared_with_its_w
     assert set(raw.state) == set(model.parameters())
     assert {float(st["step"]) for st in raw.state.values()} == {4.0}  # 64 samples in batches of 16
     assert {st["exp_avg"].dtype for st in raw.state.values()} == {torch.float32}
+
+
+class ReadsStateInStepHooks(Regression):
+    """AdamW with torch's step pre- and post-hooks on its optimizer that read a module parameter's state by the
+    parameter, as a hook that closes over the model may (a logger of Adam's moments, an EMA of them)."""
+
+    def on_fit_start(self) -> None:
+        optimizer, weight = self.trainer.optimizers[0], self.net[0].weight
+        self.before: list[float | None] = []
+        self.after: list[float | None] = []
+        optimizer.register_step_pre_hook(lambda opt, *_: self.before.append(_step_of(opt.state[weight])))
+        optimizer.register_step_post_hook(lambda opt, *_: self.after.append(_step_of(opt.state[weight])))
+
+
+def _step_of(entry: dict[str, Any]) -> float | None:
+    return float(entry["step"]) if "step" in entry else None
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_step_hooks_that_read_the_state_by_parameter_see_the_live_entries(precision):
+    """Inside the step the optimizer holds the masters; a parameter used as a key stands for its master, so the hooks
+    read what they read under "32-true", and reading never leaves an empty entry that would reset the state."""
+    model = ReadsStateInStepHooks()
+    plugin = MPTPrecision(precision, scaler=64.0) if precision == "fp16" else MPTPrecision(precision)
+    trainer = quiet_trainer(max_steps=4, plugins=[plugin])
+    trainer.fit(model, regression_data())
+    assert plugin.skipped_steps == 0
+    assert model.before == [None, 1.0, 2.0, 3.0]
+    assert model.after == [1.0, 2.0, 3.0, 4.0]
+    state = trainer.optimizers[0].state
+    assert set(state) == set(model.parameters())
+    assert {float(entry["step"]) for entry in state.values()} == {4.0}
+
+
+def test_fabric_step_hooks_that_read_the_state_by_parameter_see_the_live_entries():
+    from lightning_mpt.fabric import MPTPrecision as FabricMPTPrecision
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FabricMPTPrecision("bf16")])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen: list[float | None] = []
+    weight = model[0].weight
+    optimizer.register_step_post_hook(lambda opt, *_: seen.append(_step_of(opt.state[weight])))
+    model, optimizer = fabric.setup(model, optimizer)
+    for x, y in regression_data():
+        fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert seen == [1.0, 2.0, 3.0, 4.0]
+    assert {float(entry["step"]) for entry in optimizer.optimizer.state.values()} == {4.0}
+
+
+class RoundTripsThroughTheWrapper(Regression):
+    """Loads the optimizer's own state dict back through ``self.optimizers()`` (Lightning's ``LightningOptimizer``)
+    before steps 2 and 4."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step in (2, 4):
+            optimizer = self.optimizers()
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_state_dict_round_trip_through_lightnings_optimizer_wrapper_changes_nothing(precision):
+    """The wrapper loads into its own attributes, not the optimizer's (as under any precision): the masters must not
+    stay in the optimizer's groups, whose next ``state_dict()`` would fail on them. The run equals the same run
+    without the round trip, bitwise (one machine, the same operations in the same order)."""
+    results = []
+    for module in (Regression(), RoundTripsThroughTheWrapper()):
+        torch.manual_seed(0)
+        module.load_state_dict(_same_start().state_dict())
+        trainer = quiet_trainer(max_steps=6, plugins=[MPTPrecision(precision)])
+        trainer.fit(module, regression_data(n=96))
+        optimizer = trainer.optimizers[0]
+        assert all(p in set(module.parameters()) for p in optimizer.param_groups[0]["params"])
+        assert len(optimizer.state_dict()["state"]) == 4
+        results.append([p.detach().clone() for p in module.parameters()])
+    for plain, round_tripped in zip(*results):
+        assert torch.equal(plain, round_tripped)
+
+
+def _same_start() -> Regression:
+    torch.manual_seed(0)
+    return Regression()

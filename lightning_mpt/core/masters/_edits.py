@@ -14,26 +14,23 @@ from lightning_mpt import _compat
 from lightning_mpt.core.masters._flat import FlatLayout
 
 
-def edit_flags(
-    params: list[Tensor], masters: list[Tensor], scratch: list[Tensor], layout: Optional[FlatLayout] = None
-) -> Tensor:
-    """Whether each half weight differs from its rounded master, on the device (cast and compare in ``scratch``,
-    which is overwritten). On CPU a single flag for all of them: :func:`edited_pairs` then finds which.
+def edit_flags(params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout] = None) -> Tensor:
+    """Whether each half weight differs from its rounded master, on the device. On CPU a single flag for all of them:
+    :func:`edited_pairs` then finds which.
 
     Args:
         params: the half weights.
         masters: their fp32 masters.
-        scratch: tensors like ``params``, overwritten (not used on CPU).
-        layout: the :class:`FlatLayout` of ``masters``, when known: on CPU the weights of each of its shapes are
-            compared at once, the masters rounded into its reused buffer of the half format.
+        layout: the :class:`FlatLayout` of ``masters``, when known: the masters are rounded into its reused buffer of
+            the half format (on CPU the weights of each of its shapes are then compared at once).
 
     Example:
         ```python
         w = torch.tensor([1.0, 2.0], dtype=torch.float16)
         m = torch.tensor([1.0, 2.0001])  # rounds to w: not an edit
-        assert not edit_flags([w], [m], [torch.empty_like(w)]).any()
+        assert not edit_flags([w], [m]).any()
         w[0] = 3.0
-        assert edit_flags([w], [m], [torch.empty_like(w)]).all()
+        assert edit_flags([w], [m]).all()
         ```
     """
     if not params:
@@ -42,8 +39,20 @@ def edit_flags(
         # CPUs emulate half arithmetic (60 ms for 3.4M values) and pay per tensor in Python: one comparison of the
         # bit patterns of everything, a single flag; which parameters were edited is worked out only if one was
         return _any_edited(params, masters, layout).reshape(1)
+    return _each_edited(params, masters, layout)
+
+
+def _each_edited(params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout]) -> Tensor:
+    """One flag per half weight, from fused multi-tensor kernels: the masters rounded into a scratch of the weights'
+    format, minus the weights, each difference's largest magnitude. The scratch is a buffer of its own (``layout``'s
+    reused one when the weights share a format), never the half gradients: user code may hold those."""
+    dtype, device = params[0].dtype, params[0].device
+    if layout is not None and all(p.dtype == dtype for p in params):
+        scratch = layout.views(dtype, device, "rounded masters")[1]
+    else:
+        layout, scratch = None, [torch.empty_like(p) for p in params]
     _compat.foreach_copy_(scratch, masters)  # the masters rounded to the half format
-    flags = torch.zeros(len(params), dtype=torch.bool, device=params[0].device)
+    flags = torch.zeros(len(params), dtype=torch.bool, device=device)
     full = [i for i, t in enumerate(scratch) if t.numel()]  # an empty tensor cannot be edited (nor normed)
     if full:  # one fused launch per op: difference, then each tensor's largest
         _compat.foreach_sub_([scratch[i] for i in full], [params[i].detach() for i in full])
@@ -53,6 +62,9 @@ def edit_flags(
             if len(full) == len(params)
             else flags.index_copy(0, torch.tensor(full, device=flags.device), changed)
         )
+    del scratch  # dead now: its memory goes back
+    if layout is not None:
+        layout.release("rounded masters")
     return flags
 
 
@@ -77,7 +89,8 @@ def _any_edited(params: list[Tensor], masters: list[Tensor], layout: Optional[Fl
         _compat.foreach_copy_(views, masters)
         # one comparison per shape: concatenating the stacks would hold 4 more bytes per parameter at the step's peak
         same = all(_bits_equal(h, flat[o : o + h.numel()]) for h, o in zip(halves, layout.offsets))
-    layout.release("rounded masters")  # dead now: their memory goes back
+    del flat, views  # dead now: their memory goes back
+    layout.release("rounded masters")
     return torch.tensor(not same)
 
 
@@ -86,7 +99,7 @@ def edit_flags_of(pairs: list[tuple[Tensor, Tensor]]) -> list[float]:
     if not pairs:
         return []
     with torch.no_grad():
-        flags = edit_flags([p for p, _ in pairs], [m for _, m in pairs], [torch.empty_like(p) for p, _ in pairs])
+        flags = edit_flags([p for p, _ in pairs], [m for _, m in pairs])
     return list(flags.tolist())
 
 

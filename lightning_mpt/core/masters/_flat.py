@@ -7,6 +7,7 @@ their memory is given back."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -16,19 +17,36 @@ from lightning_mpt import _compat
 
 
 class _Kept:
-    """A buffer and its views, kept for the next step, with what holds them when nothing but this does."""
+    """A buffer and its views, kept for the next step, with the counts of what holds them when nothing but this does.
 
-    def __init__(self, flat: Tensor, views: list[Tensor]) -> None:
-        self.flat, self.views = flat, views
-        self.nbytes = flat.untyped_storage().nbytes()
-        self.holders = _compat.storage_holders(flat)
-        # taken while only ``views`` holds them: no count can be lower later, so equal sums mean equal counts
-        self.refs = sum(map(sys.getrefcount, views))
+    Args:
+        numel, dtype, device: the buffer's.
+        views_of: makes the views of the buffer.
+    """
+
+    def __init__(
+        self, numel: int, dtype: torch.dtype, device: torch.device, views_of: Callable[[Tensor], list[Tensor]]
+    ):
+        self.flat = torch.empty(numel, dtype=dtype, device=device)  # held by this attribute alone
+        self.views = views_of(self.flat)
+        self.nbytes = self.flat.untyped_storage().nbytes()
+        self.counts = self._counts()
+
+    def _counts(self) -> tuple[int, int, int, int]:
+        """Tensors sharing the storage (views, whoever holds them, Python or C++), and Python references to the views
+        (a hook may keep a gradient), to the buffer (a view's ``_base``) and to the storage (``untyped_storage()``).
+        The views' counts are summed: taken first while only ``views`` holds them, no count can be lower later."""
+        return (
+            _compat.storage_holders(self.flat),
+            sum(map(sys.getrefcount, self.views)),
+            sys.getrefcount(self.flat),
+            sys.getrefcount(self.flat.untyped_storage()),
+        )
 
     def free(self) -> bool:
-        """Whether nothing else holds the buffer, a view of it, or one of its views' Python objects (a hook may have
-        kept a gradient): only then may its memory be given back, or its values overwritten."""
-        return _compat.storage_holders(self.flat) == self.holders and sum(map(sys.getrefcount, self.views)) == self.refs
+        """Whether nothing else holds the buffer, its storage, a view of it, or one of its views' Python objects: only
+        then may its memory be given back, or its values overwritten."""
+        return self._counts() == self.counts
 
     def sleep(self) -> bool:
         """Give the memory back, keeping the views; ``False`` where the storage cannot be resized."""
@@ -88,9 +106,8 @@ class FlatLayout:
                 kept.wake()
                 return kept.flat, kept.views
             del self._kept[key]  # a holder keeps them: theirs now
-        flat = torch.empty(self.numel, dtype=dtype, device=device)
-        kept = self._kept[key] = _Kept(flat, self._views_of(flat))
-        return flat, kept.views
+        kept = self._kept[key] = _Kept(self.numel, dtype, device, self._views_of)
+        return kept.flat, kept.views
 
     def _views_of(self, flat: Tensor) -> list[Tensor]:
         parts: list[Tensor] = []

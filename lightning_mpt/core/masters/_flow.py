@@ -38,15 +38,9 @@ class GradientFlow:
     def add_master(self, param: Tensor, master: Tensor) -> None:
         raise NotImplementedError
 
-    def edit_flags(
-        self,
-        params: list[Tensor],
-        masters: list[Tensor],
-        scratch: list[Tensor],
-        layout: Optional[FlatLayout] = None,
-    ) -> Tensor:
+    def edit_flags(self, params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout] = None) -> Tensor:
         """Whether each half weight of ``params`` differs from its master rounded (see :func:`edit_flags`)."""
-        return edit_flags(params, masters, scratch, layout)
+        return edit_flags(params, masters, layout)
 
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """Round ``masters`` into their half parameters ``params``."""
@@ -110,9 +104,9 @@ class GradientFlow:
 
     def _to_fp32(self, out: Gradients, start: int, stop: int, check_edits: bool, unscale: list[Tensor]) -> Tensor:
         """Give ``out.params[start:stop]`` fp32 gradients (on their masters, and on themselves where torch allows it,
-        which frees the half ones at once); the half gradients, dead once copied, are the scratch space of the check
-        for edited weights, whose flags are returned. What the unscale is to multiply goes into ``unscale``: the
-        flat buffer of the new gradients when they are views of one."""
+        which frees the half ones at once), and check them for edited weights, whose flags are returned. What the
+        unscale is to multiply goes into ``unscale``: the flat buffer of the new gradients when they are views of
+        one."""
         params, masters = out.params[start:stop], out.masters[start:stop]
         halves: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]  # prepare kept those with one
         # few Python objects and calls per step: every container allocated counts toward the cyclic garbage
@@ -147,15 +141,7 @@ class GradientFlow:
             unscale.extend(fp32)
         flags = torch.zeros(0, dtype=torch.bool, device=params[0].device)
         if check_edits:
-            scratch = (
-                halves
-                if usual
-                else [
-                    g if g.dtype == p.dtype and g.is_contiguous() else torch.empty_like(p)
-                    for g, p in zip(halves, params)
-                ]
-            )
-            flags = self.edit_flags(params, masters, scratch, layout)
+            flags = self.edit_flags(params, masters, layout)
         if _compat.GRAD_DTYPE:  # the parameters carry the fp32 gradients (their half ones are freed now)
             for p, m, f in zip(params, masters, fp32):
                 p.grad_dtype = None  # pinned to the half format since the last release

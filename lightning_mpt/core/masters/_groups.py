@@ -30,18 +30,61 @@ class GroupPlan:
     masters: list[Tensor] = field(default_factory=list)  # and their masters
 
 
+class _ByMasters(defaultdict):  # type: ignore[type-arg]
+    """An optimizer's state keyed by the masters, for its step. A module parameter used as a key stands for its master
+    (a step hook that closes over the model's parameters addresses the state so, as it would without masters): it
+    reads, writes, deletes and finds the master's entry, and reading it never leaves an empty entry under its name.
+
+    Args:
+        default_factory: as :class:`~collections.defaultdict`'s (torch's optimizers: ``dict``).
+        masters: parameter -> master.
+
+    Example:
+        ```python
+        p, m = torch.zeros(1), torch.zeros(1)
+        state = _ByMasters(dict, {p: m})
+        state[m]["step"] = 1
+        assert state[p] is state[m] and p in state and len(state) == 1
+        ```
+    """
+
+    def __init__(self, default_factory: Any = None, masters: Optional[dict[Tensor, Tensor]] = None) -> None:
+        super().__init__(default_factory)
+        self.masters = {} if masters is None else masters
+
+    def __missing__(self, key: Any) -> Any:
+        master = self.masters.get(key)
+        return self[master] if master is not None else super().__missing__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(self.masters.get(key, key), value)
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(self.masters.get(key, key))
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(self.masters.get(key, key))  # type: ignore[call-overload]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super().get(self.masters.get(key, key), default)
+
+
 @dataclass
 class _StateMirror:
     """An optimizer's state twice: its own dict keyed by the parameters, and ours keyed by the masters, holding the
     same entries (each parameter's state dict object), so that a swap is one attribute assignment."""
 
     by_params: defaultdict[Tensor, Any]  # the optimizer's own object: code may keep a reference to it
+    masters: dict[Tensor, Tensor]
     by_masters: defaultdict[Tensor, Any] = field(init=False)
 
     def __post_init__(self) -> None:
         # of the same kind: optimizers create their entries by reading a missing key
-        self.by_masters = copy.copy(self.by_params)
-        self.by_masters.clear()
+        if type(self.by_params) is defaultdict:  # torch's: parameters stand for their masters as keys
+            self.by_masters = _ByMasters(self.by_params.default_factory, self.masters)
+        else:
+            self.by_masters = copy.copy(self.by_params)
+            self.by_masters.clear()
 
 
 def _same_entries(a: dict[Tensor, Any], b: dict[Tensor, Any]) -> bool:
@@ -107,7 +150,7 @@ class GroupSwap:
         mirror = self._mirrors.get(optimizer)
         if to_masters:
             if mirror is None or state is not mirror.by_params:  # first step, or the state was replaced
-                mirror = self._mirrors[optimizer] = _StateMirror(state)
+                mirror = self._mirrors[optimizer] = _StateMirror(state, self.masters)
             if not _same_entries(state, mirror.by_masters):
                 self._rename(state, mirror.by_masters, self.masters)
             optimizer.state = mirror.by_masters

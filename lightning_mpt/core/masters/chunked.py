@@ -178,7 +178,7 @@ class ChunkedMasters(CopyMasters):
             found.append(_unscale_(fp32, inv_scale))
             out.norms.extend(_compat.foreach_norm(fp32, 2.0))
             if check_edits:
-                edited.append(self.edit_flags(params, masters, [torch.empty_like(p) for p in params]).reshape(-1).any())
+                edited.append(self.edit_flags(params, masters).reshape(-1).any())
         own = [p.grad for p in out.own_params]  # unscaled in place (already, for a step taken again)
         found.append(_unscale_(own, 1.0 if last is not None else inv_scale))  # type: ignore[arg-type]
         flags = [f for f in found if f is not None]

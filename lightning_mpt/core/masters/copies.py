@@ -17,7 +17,7 @@ reset their autograd gradient accumulators and detach DDP's hooks.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -163,9 +163,16 @@ class CopyMasters(GradientFlow):
         state to the dtype of the parameters it finds in ``param_groups``); returns the hooks' handles."""
         exact_state(optimizer, self.masters, self.dtype)
         return [
-            optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: self.swap_groups(opt, True)),
+            optimizer.register_load_state_dict_pre_hook(self._before_load),
             optimizer.register_load_state_dict_post_hook(lambda opt: self.swap_groups(opt, False)),
         ]
+
+    def _before_load(self, optimizer: Optimizer, state_dict: Any) -> None:
+        """Hand ``optimizer`` the masters for ``load_state_dict``, unless it reaches its hooks through ``__getattr__``
+        (Lightning's ``LightningOptimizer``): torch's load then sets the state and groups on that wrapper alone, and
+        its ``__setstate__`` gives it empty post-hooks, so the masters would never be taken back from the optimizer."""
+        if "_optimizer_load_state_dict_post_hooks" in vars(optimizer):
+            self.swap_groups(optimizer, True)
 
     def swap_groups(self, optimizer: Optimizer, to_masters: bool) -> None:
         """Put the masters (or back the parameters) into ``optimizer.param_groups``, in place, with their state."""

@@ -248,13 +248,7 @@ class RemainderMasters(ChunkedMasters):
         finally:
             self._woken_now = set()
 
-    def edit_flags(
-        self,
-        params: list[Tensor],
-        masters: list[Tensor],
-        scratch: list[Tensor],
-        layout: Optional[FlatLayout] = None,
-    ) -> Tensor:
+    def edit_flags(self, params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout] = None) -> Tensor:
         """Per weight of ``params``: edited since its master was last written (asleep: its fingerprint changed, and
         the master has taken the edit already; woken for this step and not handed out: the same, as the weight is
         its master's top half by construction; otherwise: it differs from its master rounded as :func:`split` does)."""
@@ -294,7 +288,7 @@ class RemainderMasters(ChunkedMasters):
         pairs = list(self.masters.items())
         if not pairs:
             return []
-        flags = self.edit_flags([p for p, _ in pairs], [m for _, m in pairs], []).any().reshape(1).tolist()
+        flags = self.edit_flags([p for p, _ in pairs], [m for _, m in pairs]).any().reshape(1).tolist()
         return self._absorb(pairs, flags)
 
     def _absorb(self, pairs: list[tuple[Tensor, Tensor]], flags: list[float]) -> list[str]:
