@@ -216,3 +216,17 @@ def test_lbfgs_takes_the_whole_step() -> None:
         del OPTIMIZERS["lbfgs"]
     assert len(chunked.stepped) == len(whole.stepped) == 3
     _assert_same_weights(whole, chunked)
+
+
+class ClipsByValueThenNorm(Tied):
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, **kwargs: Any) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="value")
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
+def test_clipping_by_norm_after_clipping_by_value_is_refused() -> None:
+    """The norm of value-clipped gradients needs them all at once, which chunks never hold: a clear error, not the
+    coefficient of the unclipped norms applied before the clamp (4x off in a hand-computed case)."""
+    trainer = quiet_trainer(max_steps=2, plugins=[MPTPrecision("bf16", chunked_step=64)])
+    with pytest.raises(ValueError, match="Clip by norm first, then by value"):
+        trainer.fit(ClipsByValueThenNorm(), regression_data(n=32, d_out=4))

@@ -123,31 +123,55 @@ def test_a_weight_edited_while_its_master_sleeps_becomes_its_master_exactly(chun
     assert all(checks)
 
 
-def test_a_weight_edited_after_its_master_was_woken_keeps_the_unedited_values_exact():
-    """After the step a diagnostic wakes the masters; an edit then (a clamp in ``on_train_batch_end``) is taken value by
-    value before they sleep: clamped values become their masters, the others keep their low bits."""
-    masters = []
+class ClampsAfterTheStep(L.LightningModule):
+    """A WGAN-style clamp of a weight in ``on_train_batch_end``, SGD without momentum at learning rate ``lr``."""
 
-    class EditAfterStep(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, model: L.LightningModule, *args: Any) -> None:
-            master = trainer.precision_plugin.master_of(model.a.weight)
-            model.a.weight.data.clamp_(-0.05, 0.05)
-            masters.append((master.clone(), model.a.weight.detach().clone()))
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 1)
+        self.lr = lr
 
-    def look(model: Net, when: str) -> None:
-        if when == "train" and masters:
-            master, edited = masters[-1]
-            now = model.trainer.precision_plugin.master_of(model.a.weight)
-            clamped = edited.float() != split(master)[0].float()
-            assert clamped.any()
-            assert torch.equal(now[clamped], edited.float()[clamped])
-            assert torch.equal(now[~clamped], master[~clamped])
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))).float(), y)
 
-    trainer = quiet_trainer(
-        max_steps=4, plugins=[MPTPrecision("bf16", master_remainders=True)], callbacks=[EditAfterStep()]
-    )
-    trainer.fit(Net(look), regression_data(n=32, d_in=8, d_out=1, batch_size=8))
-    assert len(masters) == 4
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.a.weight.data.clamp_(-0.05, 0.05)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class WakesTheMasters(L.Callback):
+    """Reads the masters after each step, before the module's own ``on_train_batch_end`` edits the weights (as
+    Lightning's weight-averaging callbacks and ``ModelCheckpoint`` do): with remainders that wakes them."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, model: L.LightningModule, *args: Any) -> None:
+        trainer.precision_plugin.main_params(trainer.optimizers[0])
+
+
+def _masters_after_clamping(lr: float, callbacks: list[L.Callback], **plugin: Any) -> list[torch.Tensor]:
+    trainer = quiet_trainer(max_steps=5, plugins=[MPTPrecision("bf16", **plugin)], callbacks=callbacks)
+    trainer.fit(ClampsAfterTheStep(lr), regression_data(n=40, d_in=8, d_out=1, batch_size=8))
+    return [m.detach().clone() for m in trainer.precision_plugin.main_params(trainer.optimizers[0])]
+
+
+@pytest.mark.parametrize("chunked", [64, False])
+def test_a_weight_edited_after_its_master_was_woken_is_adopted_as_with_four_byte_masters(chunked):
+    """A weight clamped after a callback woke its master becomes its master as a whole tensor, as when it is clamped
+    while the master sleeps and as with 4-byte masters: reading the masters never changes the run. Bitwise: the same
+    operations in the same order. Against 4-byte masters at learning rate 0 only, where the masters are the initial
+    weights and then their clamped halves: stepped, a master can fall on a tie, which remainders round away from zero
+    (docs/memory.md)."""
+    remainders = {"master_remainders": True, "chunked_step": chunked}
+    for lr in (0.0, 0.1):
+        woken = _masters_after_clamping(lr, [WakesTheMasters()], **remainders)
+        references = [_masters_after_clamping(lr, [], **remainders)]
+        if lr == 0.0:
+            references.append(_masters_after_clamping(lr, []))  # 4-byte masters
+        for reference in references:
+            assert all(torch.equal(w, r) for w, r in zip(woken, reference))
 
 
 def test_the_chunked_step_equals_the_whole_step_bitwise():

@@ -97,7 +97,18 @@ class ChunkedGrads(Gradients):
     def clip_by_norm(self, max_norm: float) -> Tensor:
         """Clip by the global 2-norm, as ``torch.nn.utils.clip_grad_norm_`` over the masters of a whole step would:
         the norms of the decision's pass, stacked in the optimizer's parameter order. The fp32 parameters' gradients
-        are clipped now, the others chunk by chunk at the step. Returns the total norm."""
+        are clipped now, the others chunk by chunk at the step. Returns the total norm.
+
+        Raises:
+            ValueError: after a clip by value in the same step: its norm would be that of the clamped gradients, which
+                a chunked step never holds at once.
+        """
+        if self.clip_value is not None:
+            raise ValueError(
+                "Clipping by norm after clipping by value in one step needs the norm of the clamped gradients, and "
+                "MPTPrecision(chunked_step=...) never holds them all at once. Clip by norm first, then by value (the "
+                "chunks apply them in that order), or turn chunked_step off."
+            )
         with_grad = [p for p in self.own_params if p.grad is not None]
         own: list[Tensor] = [p.grad for p in with_grad]  # type: ignore[misc]
         norm_of = dict(zip(map(id, self.params), self.norms))

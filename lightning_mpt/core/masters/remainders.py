@@ -221,14 +221,15 @@ class RemainderMasters(ChunkedMasters):
 
     def release(self, drop: bool) -> None:
         """Before a forward or a backward: also put the masters woken since the step to sleep. A weight edited since
-        (a clamp in ``on_train_batch_end``) is taken into its master value by value first, on the device; so the half
-        weights are the masters' already and are not written (a forward's graph may hold them)."""
+        (a clamp in ``on_train_batch_end``) becomes its master first, on the device, the whole tensor, as an edit made
+        while the master sleeps and as with 4-byte masters (so reading a master, which wakes it, never changes the
+        run); the half weights are then the masters' already and are not written (a forward's graph may hold them)."""
         super().release(drop)
         awake = [p for p in self.masters if p not in self.rems]
         with torch.no_grad():
             for p in awake:
                 m = self.masters[p]
-                edited = torch.ne(p.detach().view(torch.int16), split(m)[0].view(torch.int16))
+                edited = torch.ne(p.detach().view(torch.int16), split(m)[0].view(torch.int16)).any()
                 m.copy_(torch.where(edited, p.detach().float(), m))
         self._sleep(awake, [self.masters[p] for p in awake], write_halves=False)
 
