@@ -128,11 +128,13 @@ def test_an_optimizer_that_cannot_be_chunked_takes_the_whole_step() -> None:
     OPTIMIZERS["custom"] = lambda p: Custom(p, lr=1e-2, weight_decay=0.1)
     try:
         whole, _ = _fit("bf16", False, "adamw")
-        custom, _ = _fit("bf16", 300, "custom")
+        with pytest.warns(UserWarning, match="Custom is stepped whole, not in chunks") as warned:
+            custom, _ = _fit("bf16", 300, "custom")
     finally:
         del OPTIMIZERS["custom"]
     assert len(custom.stepped) == len(whole.stepped)
     _assert_same_weights(whole, custom)
+    assert sum("stepped whole" in str(w.message) for w in warned) == 1  # once, not at every step
 
 
 class MasterGradients(L.Callback):

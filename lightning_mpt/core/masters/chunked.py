@@ -20,6 +20,7 @@ true global norm.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Optional
@@ -72,6 +73,25 @@ def chunkable(optimizer: Optimizer) -> bool:
     """
     cls = type(optimizer)
     return cls in CHUNKABLE or (cls.__module__ == "torchao.optim.adam" and cls.__name__ in TORCHAO_CHUNKABLE)
+
+
+_WHOLE_STEP = (
+    "MPTPrecision(chunked_step=...): {name} is stepped whole, not in chunks. Only torch's per-parameter optimizers "
+    "and torchao's low-bit Adams are known to give the result of one whole step a chunk at a time (another may read "
+    "several parameters at once, as LBFGS does, or a subclass may). Its step holds every fp32 gradient, as without "
+    "chunked_step; docs/memory.md lists the optimizers."
+)
+
+
+def stepped_in_chunks(optimizer: Optimizer, warned: set[int]) -> bool:
+    """Whether ``optimizer`` is :func:`chunkable`; the first time one is not (its id not in ``warned``), a warning says
+    that its step is whole."""
+    if chunkable(optimizer):
+        return True
+    if id(optimizer) not in warned:
+        warned.add(id(optimizer))
+        warnings.warn(_WHOLE_STEP.format(name=type(optimizer).__name__), stacklevel=2)
+    return False
 
 
 @dataclass
@@ -168,6 +188,7 @@ class ChunkedMasters(CopyMasters):
         self.chunk = chunk
         # per optimizer, its latest chunked step while no backward has come since: a step taken again clips alike
         self._last: dict[Optimizer, ChunkedGrads] = {}
+        self._whole: set[int] = set()  # ids of the optimizers told that they are stepped whole
 
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         """Decide from the half gradients, a chunk at a time: the non-finite flag, each gradient's norm and the edit
@@ -256,8 +277,9 @@ class ChunkedMasters(CopyMasters):
         return fp32
 
     def in_chunks(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer`` is stepped a chunk at a time (it is :func:`chunkable`)."""
-        return chunkable(optimizer)
+        """Whether ``optimizer`` is stepped a chunk at a time (it is :func:`chunkable`; if not, a warning says so
+        once)."""
+        return stepped_in_chunks(optimizer, self._whole)
 
     def wake(self, params: list[Tensor]) -> None:
         """Before a chunk's step: make the masters of ``params`` hold their values (they always do here)."""

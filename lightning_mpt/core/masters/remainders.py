@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
 from lightning_mpt.core.masters._edits import bits_differ, copy_into_masters
 from lightning_mpt.core.masters._flat import FlatLayout
-from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedMasters, chunkable
+from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedMasters, stepped_in_chunks
 
 __all__ = ["RemainderMasters", "fingerprint", "join", "split"]
 
@@ -234,7 +234,7 @@ class RemainderMasters(ChunkedMasters):
         self._sleep(awake, [self.masters[p] for p in awake], write_halves=False)
 
     def in_chunks(self, optimizer: Optimizer) -> bool:
-        return self.chunked and chunkable(optimizer)
+        return self.chunked and stepped_in_chunks(optimizer, self._whole)
 
     # ------------------------------------------------------------------ the step
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
