@@ -26,12 +26,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mpt.core.engine import MixedPrecisionEngine  # noqa: E402
+from lightning_mpt.core.masters._flat import FlatLayout  # noqa: E402
 from lightning_mpt.core.masters.copies import CopyMasters  # noqa: E402
 from lightning_mpt.core.scaler import DynamicLossScaler  # noqa: E402
 
@@ -156,22 +157,14 @@ def tensor_passes(steps: int, depth: int, width: int, dtype: torch.dtype, device
     """Seconds per step of the plugin's tensor work alone, without its bookkeeping (``--floor``): the half gradients
     copied into one fp32 buffer, the edit check (the half weights stacked per shape, the masters rounded into a half
     buffer, the bits compared), the unscale with its non-finite check, and the masters rounded into the weights."""
-    by_shape: dict[torch.Size, list[Tensor]] = {}
-    for p in deep_mlp(depth, width).to(device).parameters():
-        by_shape.setdefault(p.shape, []).append(p.detach().to(dtype))
-    groups = list(by_shape.values())  # as the plugin lays them out: each shape's tensors side by side
-    halves = [h for group in groups for h in group]
+    halves = [p.detach().to(dtype) for p in deep_mlp(depth, width).to(device).parameters()]
     masters = [h.float() for h in halves]
     grads = [torch.randn_like(h) for h in halves]
-    sizes = [len(group) * group[0].numel() for group in groups]
-    fp32 = torch.empty(sum(sizes), device=device)
-    rounded = torch.empty_like(fp32, dtype=dtype)
-    views, rounded_views, offset = [], [], 0
-    for m in masters:
-        views.append(fp32[offset : offset + m.numel()].view_as(m))
-        rounded_views.append(rounded[offset : offset + m.numel()].view_as(m))
-        offset += m.numel()
-    blocks = list(rounded.split(sizes))
+    layout = FlatLayout(masters)  # the plugin's: each shape's tensors side by side in one buffer
+    fp32, views = layout.views(torch.float32, device)
+    rounded, rounded_views = layout.views(dtype, device, "rounded masters")
+    groups = [[halves[i] for i in idx] for idx in layout.groups]
+    blocks = [rounded[o : o + len(group) * group[0].numel()] for o, group in zip(layout.offsets, groups)]
     found, inv = torch.zeros((), device=device), torch.full((), 1 / 1024, device=device)
     times = []
     for _ in range(steps):
