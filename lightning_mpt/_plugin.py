@@ -316,7 +316,9 @@ class MixedPrecisionPlugin(Float8Plugin):
 
     def __repr__(self) -> str:
         name = "fp16" if self._dtype == torch.float16 else "bf16"
-        return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights})"
+        memory = (("chunked_step", self.chunked_step), ("master_remainders", self.master_remainders))
+        chosen = "".join(f", {option}={value!r}" for option, value in memory if value is not False)
+        return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights}{chosen})"
 
 
 def unwrap(optimizer: Any) -> Any:

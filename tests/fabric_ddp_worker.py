@@ -12,7 +12,8 @@ optimizer state, and the bytes its DDP communication hook all-reduced. ``--accum
 micro-batches in fp32 and each backward gets ``model=model``; the first one is tried without it first, and the error
 is written to ``OUT/error-without-model-rank<r>.txt``.
 
-``--resume-and-marked`` runs another scenario (``OUT/resume-rank<r>.json``): 6 steps straight with
+``--resume-and-marked`` runs another scenario (``OUT/resume-rank<r>.json``), under ``strategy="ddp_spawn"`` (which
+pickles the plugin to start the processes): 6 steps straight with
 ``fabric.setup(model, optimizer)``, saving at step 3; then the plugin restores that model, a fresh model (other
 weights) is set up with ``fabric.setup_module`` and an optimizer made after it with ``fabric.setup_optimizers``,
 ``fabric.load`` restores the state (no other call) and steps 3-5 run again. Then a method marked with
@@ -112,6 +113,12 @@ def resume_and_marked(fabric: L.Fabric, mpt: MPTPrecision, out: Path) -> None:
     write(out / f"resume-rank{rank}.json", result)
 
 
+def spawned(fabric: L.Fabric, out: Path) -> None:
+    """:func:`resume_and_marked` in a process that ``ddp_spawn`` started, with its copy of the plugin."""
+    torch.set_num_threads(1)
+    resume_and_marked(fabric, fabric.strategy.precision, out)
+
+
 def write(path: Path, data: object) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
@@ -131,11 +138,11 @@ def main() -> None:
 
     torch.set_num_threads(1)
     mpt = MPTPrecision("fp16", accumulate_fp32=args.accumulate_fp32)
+    if args.resume_and_marked:  # started by ddp_spawn: the plugin reaches each process pickled
+        L.Fabric(accelerator="cpu", devices=2, strategy="ddp_spawn", plugins=[mpt]).launch(spawned, args.out)
+        return
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[mpt])
     fabric.launch()
-    if args.resume_and_marked:
-        resume_and_marked(fabric, mpt, args.out)
-        return
     rank = fabric.global_rank
     torch.manual_seed(1000 + rank)  # different initial weights per rank
     model = Net()

@@ -164,6 +164,15 @@ def test_bad_chunk_sizes_are_refused(value: Any) -> None:
         MPTPrecision("bf16", chunked_step=value)
 
 
+def test_the_plugins_name_their_memory_options() -> None:
+    from lightning_mpt.fabric import MPTPrecision as FabricMPTPrecision
+
+    for plugin in (MPTPrecision, FabricMPTPrecision):
+        assert repr(plugin("bf16")).endswith("master_weights=True)")
+        chosen = repr(plugin("bf16", chunked_step=2**18, master_remainders=True))
+        assert chosen.endswith("master_weights=True, chunked_step=262144, master_remainders=True)")
+
+
 def test_chunks_need_masters() -> None:
     with pytest.raises(ValueError, match="master_weights=True"):
         MPTPrecision("bf16", chunked_step=True, master_weights=False)

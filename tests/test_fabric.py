@@ -443,9 +443,10 @@ def test_ddp_an_inf_on_one_rank_skips_the_step_on_both(tmp_path):
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_ddp_resume_needs_no_extra_call_and_a_marked_method_runs_under_autocast(tmp_path):
-    """2 processes: a fresh model set up with ``setup_module``, an optimizer made after it, ``fabric.load`` in the
-    natural order, and the resumed steps equal the straight run bitwise on both ranks; a marked method runs through DDP
-    and the plugin's autocast (an fp16 matmul, equal to the one done by hand)."""
+    """2 processes started by ``ddp_spawn`` (which pickles the plugin): a fresh model set up with ``setup_module``, an
+    optimizer made after it, ``fabric.load`` in the natural order, and the resumed steps equal the straight run bitwise
+    on both ranks; a marked method runs through DDP and the plugin's autocast (an fp16 matmul, equal to the one done
+    by hand)."""
     out = tmp_path / "ddp"
     out.mkdir()
     ranks = [out / "resume-rank0.json", out / "resume-rank1.json"]

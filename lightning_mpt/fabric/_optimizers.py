@@ -72,6 +72,17 @@ class LoadGuards:
         self._module_hook: Optional[RemovableHandle] = None
         self.active = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable: Fabric's ``ddp_spawn`` pickles the plugin (before set-up, when nothing is guarded yet) to start
+        each process; weak containers cannot be pickled, so they travel as strong ones."""
+        state = self.__dict__.copy()
+        state["_guarded"], state["_released"] = dict(self._guarded), list(self._released)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._guarded, self._released = WeakKeyDictionary(state["_guarded"]), WeakSet(state["_released"])
+
     def watch(self, module: Module) -> None:
         """Guard the optimizers that hold ``module``'s parameters now, and again whenever its state loads, until
         :meth:`stop`."""
