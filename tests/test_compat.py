@@ -231,3 +231,30 @@ def test_lr_finder_runs_and_restores_the_model(tmp_path):
     assert len(finder.results["lr"]) > 5
     after = model.state_dict()
     assert all(after[k].dtype == torch.float32 and torch.equal(after[k], before[k]) for k in before)
+
+
+def test_after_the_lr_finder_the_fit_logs_every_step_of_its_own(tmp_path):
+    """lr_find restores the plugin's state to where it started (step 0): its own steps are not the fit's last steps,
+    so the loss-scale monitor logs every step of the fit, and no step is said skipped before the fit took one."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tb_events import read_events, series
+
+    from lightning_mpt.callbacks import LossScaleMonitor
+
+    torch.manual_seed(0)
+    model = TinyMLP(lr=1e-3)
+    plugin = MPTPrecision("fp16")
+    trainer = quiet_trainer(
+        max_steps=6,
+        plugins=[plugin],
+        callbacks=[LossScaleMonitor()],
+        logger=TensorBoardLogger(tmp_path, name="run"),
+        log_every_n_steps=1,
+    )
+    Tuner(trainer).lr_find(model, regression_data(n=256), num_training=10, min_lr=1e-5, max_lr=1e-2)
+    assert plugin.last_step is None and not plugin.last_step_skipped
+    model.lr = 1e-3
+    trainer.fit(model, regression_data(n=96))
+    logged = series(read_events(trainer.logger.log_dir), "mpt/loss_scale")
+    assert [step for step, _ in logged] == list(range(6))
+    assert [r.step for r in plugin.history] == list(range(6))

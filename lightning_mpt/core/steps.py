@@ -195,5 +195,10 @@ class StepLog:
             consecutive = [consecutive]
         self.consecutive = {i: int(c) for i, c in enumerate(consecutive)}
         self.steps = int(state.get("steps", 0))
+        # records of steps this state has not taken (a restore to an earlier point of the run: Lightning's lr_find and
+        # batch-size finder restore the state they started from) would stand for its last steps
+        kept = [r for r in self.history if r.step < self.steps]
+        self.history.clear()
+        self.history.extend(kept)
         self.gate.load_state_dict(state.get("schedules", []))
         return warning
