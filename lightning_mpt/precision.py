@@ -7,6 +7,7 @@ Lightning's hooks only: each delegates to the torch-only engine,
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from functools import partial
@@ -157,6 +158,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             self._check_fp8_device(first.device)
         lightning_module = getattr(model, "module", model)  # DDP wraps it
         self._automatic = getattr(lightning_module, "automatic_optimization", True)
+        self._engine.zero_grad_drops = self._automatic and _zero_grad_drops(lightning_module, optimizers)
         masters = self._engine.masters
         if isinstance(masters, CopyMasters):  # FSDP2's shards are on their devices, and not replicas
             masters.follow_devices()
@@ -191,7 +193,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
         # the last step's fp32 gradients are not needed past this point
-        self._engine.release_gradients(drop=self._automatic)
+        self._engine.release_gradients(drop=self._engine.zero_grad_drops)
         with self.forward_context():
             yield
 
@@ -268,6 +270,23 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             pending = self._engine.decide(optimizer)
         after()  # the hooks and clipping see unscaled gradients
         return self._engine.step(optimizer, pending, lambda: closure_result, **kwargs)
+
+
+def _zero_grad_drops(module: Module, optimizers: list[Optimizer]) -> bool:
+    """Whether Lightning's automatic optimization will set the gradients to ``None`` before each backward: the
+    LightningModule keeps Lightning's ``optimizer_zero_grad`` and every optimizer's ``zero_grad`` has torch's default
+    ``set_to_none=True``. Only then may the plugin drop a step's gradients early: under ``set_to_none=False`` a
+    parameter unused in the next step keeps a zero gradient, which momentum and weight decay act on."""
+    if getattr(type(module), "optimizer_zero_grad", None) is not pl.LightningModule.optimizer_zero_grad:
+        return False
+    for optimizer in optimizers:
+        try:
+            default = inspect.signature(type(unwrap(optimizer)).zero_grad).parameters["set_to_none"].default
+        except (KeyError, TypeError, ValueError):  # a zero_grad of its own, without torch's argument
+            return False
+        if default is not True:
+            return False
+    return True
 
 
 def _check_optimizer(optimizer: Optimizer) -> None:

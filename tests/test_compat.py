@@ -252,7 +252,8 @@ def test_after_the_lr_finder_the_fit_logs_every_step_of_its_own(tmp_path):
         log_every_n_steps=1,
     )
     Tuner(trainer).lr_find(model, regression_data(n=256), num_training=10, min_lr=1e-5, max_lr=1e-2)
-    assert plugin.last_step is None and not plugin.last_step_skipped
+    assert plugin.last_step is None
+    assert not plugin.last_step_skipped
     model.lr = 1e-3
     trainer.fit(model, regression_data(n=96))
     logged = series(read_events(trainer.logger.log_dir), "mpt/loss_scale")

@@ -662,3 +662,71 @@ def test_a_gradient_assigned_or_dropped_by_a_hook_is_what_the_optimizer_steps(pr
     for before_w, before_b, after_w, after_b in model.records:
         assert torch.equal(after_w, before_w - 0.125)
         assert torch.equal(after_b, before_b)
+
+
+# ------------------------------------------------------------------------ gradients that are None or zeros
+
+
+class Branchy(L.LightningModule):
+    """A trunk used at every batch and a branch used at the first only. SGD with momentum moves a parameter whose
+    gradient is a zero tensor and leaves one whose gradient is ``None``: ``moved`` records, per step, whether the
+    branch's weight changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.branch = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.moved: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        out = self.trunk(x)
+        if batch_idx == 0:
+            out = out + self.branch(x)
+        return out.float().pow(2).mean()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.before = self.branch.weight.detach().float().clone()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.moved.append(not torch.equal(self.branch.weight.detach().float(), self.before))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class KeepsZeros(Branchy):
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize(
+    ("module", "plugin_kwargs", "expected"),
+    [
+        # zero_grad(set_to_none=False): the branch keeps a zero gradient, which momentum acts on, as under "32-true";
+        # after the skipped step 1 too (the skip leaves zeros, as GradScaler's inf gradients zeroed by zero_grad)
+        (KeepsZeros, {}, [True, False, True, True]),
+        # accumulate_fp32 gives each parameter fp32 zeros to accumulate into: the unused branch's are taken back
+        pytest.param(
+            Branchy,
+            {"accumulate_fp32": True},
+            [True, False, False, False],
+            marks=pytest.mark.skipif(not GRAD_DTYPE, reason="accumulate_fp32 needs torch >= 2.13"),
+        ),
+    ],
+)
+def test_a_parameter_without_gradient_is_stepped_as_under_lightnings_own_precision(module, plugin_kwargs, expected):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def run(plugin: Any) -> Branchy:
+        torch.manual_seed(0)
+        model = module()
+        quiet_trainer(max_steps=4, plugins=[plugin], callbacks=[InjectInf("trunk.weight", steps={1})]).fit(
+            model, DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=8)
+        )
+        return model
+
+    reference = run(MixedPrecision("16-mixed", "cpu"))  # GradScaler skips step 1 too
+    assert reference.moved == expected
+    ours = run(MPTPrecision("fp16", **plugin_kwargs))
+    assert ours.moved == expected
+    assert torch.allclose(ours.branch.weight, reference.branch.weight, rtol=1e-3, atol=1e-4)

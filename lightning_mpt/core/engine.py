@@ -94,6 +94,9 @@ class MixedPrecisionEngine:
     ) -> None:
         self.masters = masters
         self.on_edits = on_edits
+        # the loop's zero_grad sets the gradients to None (Lightning's automatic optimization with torch's default):
+        # what a step leaves may then be dropped; otherwise it stays a tensor (zeros after a skip), as under "32-true"
+        self.zero_grad_drops = False
         self.log = StepLog(scaler, max_consecutive_skips)
         self.accumulate_fp32 = accumulate_fp32
         self.backward_scale = self.loss_scale  # the scale of the latest backward
@@ -314,7 +317,7 @@ class MixedPrecisionEngine:
         if grads.entered:
             self.masters.exit(optimizer, grads, stepped=False)
         names = [self.masters.name_of(p) for p in grads.all_params()]
-        self.masters.discard(grads)
+        self.masters.discard(grads, zero=not self.zero_grad_drops)
         self.log.skipped(pending.optimizer, pending.scale, pending.loss_finite, names, pending.culprits)
 
     def drop_pending(self, rescale: bool = False) -> None:

@@ -166,8 +166,8 @@ class Masters(Protocol):
     def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
         """Hand the masters to ``optimizer`` for the step: the caller steps once per item (once, or per chunk)."""
 
-    def discard(self, grads: Gradients) -> None:
-        """A skipped step: drop its gradients."""
+    def discard(self, grads: Gradients, zero: bool = False) -> None:
+        """A skipped step: drop its gradients (``zero``: leave zeros, as ``zero_grad(set_to_none=False)``)."""
 
     def rescale(self, grads: Gradients, scale: float) -> None:
         """Before a backward: multiply ``grads``' unscaled leftovers by ``scale``, for it to accumulate into."""

@@ -34,6 +34,7 @@ class GradientFlow:
     converted: dict[Tensor, None]
     groups: GroupSwap
     _kept: list[Gradients]  # steps whose masters keep their fp32 gradients until the next forward
+    _zeros: dict[Tensor, tuple[Tensor, int]]  # parameter -> zero fp32 gradient given to it, and its version then
 
     def add_master(self, param: Tensor, master: Tensor) -> None:
         raise NotImplementedError
@@ -76,6 +77,8 @@ class GradientFlow:
     def collect(self, optimizer: Optimizer, out: Gradients) -> GroupPlan:
         """Put the parameters of ``optimizer`` that have a gradient into ``out`` (a master whose parameter has none
         gets none either, so the optimizer leaves it alone); a frozen one that has one now gets its master."""
+        if self._zeros:
+            self.drop_unused_zeros()
         plan = self.groups.plan(optimizer)
         unfrozen = [p for p in plan.frozen if p.grad is not None] if self.enabled else []
         if unfrozen:  # frozen at conversion, trainable now: its master starts from its half value
@@ -220,13 +223,32 @@ class GradientFlow:
 
         ``sync``: the backward reduces gradients across processes (DDP's last micro-batch); the reducer insists on
         the parameter's dtype, so the fp32 sum so far goes back to the half format, rounded once.
+
+        A parameter that no backward gives a gradient (unused, or frozen) has none at the step, as under "32-true",
+        so the optimizer leaves it alone: zeros nothing was accumulated into are taken back (:meth:`drop_unused_zeros`).
         """
+        if sync:
+            self.drop_unused_zeros()
         for p, m in self.masters.items():
+            if not p.requires_grad:
+                continue
             g = p.grad
             if sync:
                 _set_grad(p, None if g is None else g.to(p.dtype))
-            elif g is None or g.dtype != torch.float32:
-                _set_grad(p, torch.zeros_like(m) if g is None else g.float())
+            elif g is None:
+                zeros = torch.zeros_like(m)
+                _set_grad(p, zeros)
+                self._zeros[p] = (zeros, _compat.version(zeros))
+            elif g.dtype != torch.float32:
+                _set_grad(p, g.float())
+
+    def drop_unused_zeros(self) -> None:
+        """Take back the zero fp32 gradients of :meth:`accumulate_in_fp32` that no backward accumulated into (their
+        version counter is where it was)."""
+        for p, (zeros, version) in self._zeros.items():
+            if p.grad is zeros and _compat.version(zeros) == version:
+                _set_grad(p, None)
+        self._zeros.clear()
 
     def rescale(self, grads: Gradients, scale: float) -> None:
         """Before a backward: the unscaled gradients that ``grads`` left on its parameters (a step decided but not
@@ -256,14 +278,18 @@ class GradientFlow:
                 grads.master_versions[i] = _compat.version(mg)
                 grads.on_params_versions[i] = _compat.version(shown)
 
-    def discard(self, grads: Gradients) -> None:
-        """A skipped step: drop every gradient it grads, the parameters' own included."""
+    def discard(self, grads: Gradients, zero: bool = False) -> None:
+        """A skipped step: drop every gradient it had, the parameters' own included; ``zero``: leave zeros in the
+        parameters' own formats instead, as ``zero_grad(set_to_none=False)`` would."""
         for m in grads.masters:
             m.grad = None
         for p in grads.params:
-            _set_grad(p, None)
+            _set_grad(p, torch.zeros_like(p) if zero else None)
         for p in grads.own_params:
-            p.grad = None
+            if zero and p.grad is not None:
+                p.grad.zero_()
+            else:
+                p.grad = None
 
     def release(self, drop: bool) -> None:
         """Release the fp32 gradients that the masters kept from the last step(s).

@@ -289,9 +289,9 @@ class ChunkedMasters(CopyMasters):
             return
         super().exit(optimizer, grads, stepped)
 
-    def discard(self, grads: Gradients) -> None:
+    def discard(self, grads: Gradients, zero: bool = False) -> None:
         self._last.pop(grads.optimizer, None)  # type: ignore[arg-type]
-        super().discard(grads)  # a chunked step's masters hold no gradient: the same drop as a whole step's
+        super().discard(grads, zero)  # a chunked step's masters hold no gradient: the same drop as a whole step's
 
     def restore(self) -> None:
         self._last.clear()

@@ -67,6 +67,7 @@ class CopyMasters(GradientFlow):
         self.converted: dict[Tensor, None] = {}  # every parameter given a half tensor (an ordered set)
         self.groups = GroupSwap(self.masters, self.converted)
         self._kept: list[Gradients] = []  # steps whose masters keep their fp32 gradients until the next forward
+        self._zeros: dict[Tensor, tuple[Tensor, int]] = {}  # of accumulate_in_fp32, not yet accumulated into
         self.names: dict[Tensor, str] = {}
         self._handles: list[RemovableHandle] = []
 
@@ -99,6 +100,7 @@ class CopyMasters(GradientFlow):
         self.masters.clear()
         self.groups.invalidate()
         self._kept.clear()
+        self._zeros.clear()
 
     def add_master(self, param: Tensor, master: Tensor) -> None:
         self.masters[param] = master

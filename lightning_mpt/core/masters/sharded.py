@@ -383,10 +383,13 @@ class ShardedMasters:
     def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
         return whole_step(self, optimizer, grads)
 
-    def discard(self, grads: Gradients) -> None:
-        """A skipped step: drop its gradient shards."""
+    def discard(self, grads: Gradients, zero: bool = False) -> None:
+        """A skipped step: drop its gradient shards (``zero``: zero them)."""
         for p in grads.all_params():
-            p.grad = None
+            if zero and p.grad is not None:
+                p.grad.zero_()
+            else:
+                p.grad = None
 
     def release(self, drop: bool) -> None:
         """Nothing kept past the step: the gradient shards are the parameters' own."""
