@@ -186,3 +186,33 @@ def test_parametrizations_are_kept_fp32_by_default_and_can_be_cast():
         model.on_train_batch_end = lambda *a: seen.append(model.layer.parametrizations.weight.original0.dtype)
         trainer.fit(model, data())
         assert set(seen) == {dtype}
+
+
+class LazyNet(L.LightningModule):
+    """``nn.LazyLinear``: its weight has no shape until a forward; ``dry_run`` runs one in ``setup()``."""
+
+    def __init__(self, dry_run: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 4))
+        self.dry_run = dry_run
+
+    def setup(self, stage: str) -> None:
+        if self.dry_run:
+            self.net(torch.zeros(1, 16))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_a_lazy_module_is_refused_until_a_forward_gave_it_shapes() -> None:
+    data = DataLoader(TensorDataset(torch.randn(16, 16), torch.randn(16, 4)), batch_size=8)
+    with pytest.raises(ValueError, match=r"net\.0\.weight, net\.0\.bias are 2 uninitialized parameters.*setup\(\)"):
+        quiet_trainer(max_steps=2, plugins=[MPTPrecision("bf16")]).fit(LazyNet(dry_run=False), data)
+    model = LazyNet(dry_run=True)
+    quiet_trainer(max_steps=2, plugins=[MPTPrecision("bf16")]).fit(model, data)
+    assert model.net[0].weight.shape == (8, 16)
+    assert model.net[0].weight.dtype == torch.float32

@@ -84,6 +84,15 @@ def trained_frozen(module: nn.Module, kept: set[int], dtype: torch.dtype) -> set
 def convert_module(owner: CopyMasters, module: nn.Module, restored: bool) -> list[Any]:
     """Cast ``module``'s castable parameters to ``owner``'s half format in place, make their masters (see
     :meth:`CopyMasters.convert`), and register the hooks that save and load the masters; returns their handles."""
+    lazy = [name for name, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"MPTPrecision cannot take fp32 masters of parameters that do not exist yet: {', '.join(lazy[:5])} "
+            f"{'is an uninitialized parameter' if len(lazy) == 1 else f'are {len(lazy)} uninitialized parameters'} "
+            "of a lazy module (nn.LazyLinear, ...). Run one forward pass with an example batch before the model is set "
+            "up (in the LightningModule's `__init__` or `setup()`, or before `fabric.setup`), so that they have their "
+            "shapes and values."
+        )
     kept = {id(p) for m in module.modules() if isinstance(m, owner.keep_fp32) for p in m.parameters()}
     if ParametrizationList in owner.keep_fp32:
         kept |= {id(p) for m in module.modules() for p in reparametrized(m)}
