@@ -13,7 +13,7 @@ attributes, the same :class:`~lightning_mpt.core.engine.MixedPrecisionEngine` un
 - ``fabric.clip_gradients(model, optimizer, ...)`` first unscales the gradients into fp32 and decides the step (one
   host sync, all-reduced across processes), then clips the fp32 gradients the optimizer will step.
 - ``optimizer.step()`` steps the masters and writes them into the half weights, or, when a gradient was non-finite on
-  any process, skips: nothing changes, the scale backs off, the gradients are dropped.
+  any process, skips: nothing changes, the scale backs off, the gradients are zeroed.
 - ``fabric.save``/``fabric.load``: the model's ``state_dict`` holds the fp32 masters; put the plugin in the state to
   save the scaler and counters. The optimizer's state loads into fp32 exactly: the plugin finds the optimizers that
   hold the model's parameters before their state is loaded.
