@@ -119,7 +119,7 @@ class RunSummary:
     run: str
     path: str
     format: Optional[str]  # "fp16" or "bf16" (from the exponent histograms or the format marks), None if unknown
-    steps: int  # optimizer steps: 1 + the last step any mpt/ scalar was logged at
+    steps: int  # optimizer steps: 1 + the last step an mpt/ scalar was logged at, or the end-of-training record's
     skipped_steps: int
     skipped_share: float
     first_overflow_step: Optional[int]
@@ -185,7 +185,11 @@ def summarize(run: RunData) -> RunSummary:
         print(summary.skipped_steps, summary.first_overflow_step, list(summary.nonfinite_params)[:3])
         ```
     """
-    steps = 1 + max((s for series in run.scalars.values() for s, _ in series), default=-1)
+    # the format marks are written at step 0 whether or not a step was taken; the end-of-training record knows the
+    # steps that no scalar was logged at (a LossScaleMonitor(every_n_steps) that missed the last ones)
+    logged = (s for tag, series in run.scalars.items() if not tag.startswith(tags.FORMAT_MARKS) for s, _ in series)
+    ends = run.record_list(tags.SUMMARY_RECORD)
+    steps = max(1 + max(logged, default=-1), int(ends[-1].get("step", 0)) if ends else 0)
     overflow = run.series(tags.OVERFLOW)
     skipped_series = run.series(tags.SKIPPED_STEPS)
     # the cumulative count also covers steps before a resume; without it count the 0/1 flags

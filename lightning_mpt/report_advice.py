@@ -143,6 +143,14 @@ def skips_at_start(run: RunData, summary: RunSummary, facts: _Facts) -> Optional
         return None
     start = scale_at[0]
     numbers = {"leading_skips": leading, "initial_scale": start, "settled_scale": settled, "steps": summary.steps}
+    if leading >= summary.steps:  # no step went through: no scale is known to work
+        return Advice(
+            "skips_at_start",
+            f"All {leading} optimizer steps were skipped (overflow) while the scale backed off from {_scale(start)} "
+            f"to {_scale(settled)}: no scale tried let a step through, so the gradients may be inf/NaN at any scale. "
+            "Look at the parameters most often non-finite and at the loss; no init_scale can be advised yet.",
+            numbers,
+        )
     return Advice(
         "skips_at_start",
         f"The first {leading} optimizer steps were skipped (overflow) while the scale backed off from {_scale(start)} "

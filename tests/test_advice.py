@@ -79,6 +79,15 @@ def _runs() -> dict[str, tuple[Any, ...]]:
         "probe": (TinyMLP(), MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**24)), 10, [], 2, None),
         # a static scale too high for the gradients: every step overflows (the guard allows it here)
         "static_over": (TinyMLP(), MPTPrecision("fp16", scaler=2.0**22, max_consecutive_skips=100), 4, [], 2, None),
+        # every step overflows while a dynamic scale backs off: no scale is known to work
+        "all_skipped": (
+            TinyMLP(),
+            MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**10)),
+            4,
+            [InjectInf("net.0.bias", steps={0, 1, 2, 3})],
+            2,
+            None,
+        ),
         # one parameter's gradient is non-finite at every skipped step (a bad value written into it)
         "one": (
             TinyMLP(),
@@ -148,6 +157,15 @@ def test_skips_at_start(fits: dict[str, Fit]) -> None:
     assert f"init_scale=2.0**{int(math.log2(history[leading].scale))}" in advice.text
     # skips later in the run, a static scale, no skips
     silent(fits, "skips_at_start", "one", "static_over", "stuck", "forward_overflow")
+
+
+def test_skips_at_start_advises_no_scale_when_every_step_was_skipped(fits: dict[str, Fit]) -> None:
+    fit = fits["all_skipped"]
+    assert [r.skipped for r in fit.plugin.history] == [True] * 4
+    advice = fit.advice()["skips_at_start"]
+    assert advice.numbers["leading_skips"] == advice.numbers["steps"] == 4
+    assert "All 4 optimizer steps were skipped" in advice.text
+    assert "init_scale=2.0**" not in advice.text  # no scale let a step through
 
 
 def test_one_param(fits: dict[str, Fit]) -> None:

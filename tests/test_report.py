@@ -121,6 +121,23 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------- the numbers
+@pytest.mark.parametrize(
+    ("trained", "monitors"),
+    [
+        (10, lambda: [LossScaleMonitor(every_n_steps=4)]),  # logs steps 0, 4, 8: the last step logged is not the last
+        (0, lambda: [LossScaleMonitor(), GradientHistogramMonitor()]),  # the format marks are written at step 0
+    ],
+)
+def test_the_step_count_is_the_steps_trained(tmp_path: Path, trained: int, monitors: Any) -> None:
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    limit = {"limit_train_batches": 0} if trained == 0 else {}
+    trainer = quiet_trainer(plugins=[MPTPrecision("fp16")], callbacks=monitors(), logger=logger, max_steps=10, **limit)
+    trainer.fit(TinyMLP(), regression_data(n=160))
+    assert trainer.global_step == trained
+    (summary,) = build_report(tmp_path).runs
+    assert summary.steps == trained
+
+
 def test_summary_equals_plugin_history(runs: Runs) -> None:
     (s,) = build_report(runs.root / "a" / "version_0").runs
     history = list(runs.plugin.history)
