@@ -275,11 +275,16 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
 def _zero_grad_drops(module: Module, optimizers: list[Optimizer]) -> bool:
     """Whether Lightning's automatic optimization will set the gradients to ``None`` before each backward: the
     LightningModule keeps Lightning's ``optimizer_zero_grad`` and every optimizer's ``zero_grad`` has torch's default
-    ``set_to_none=True``. Only then may the plugin drop a step's gradients early: under ``set_to_none=False`` a
-    parameter unused in the next step keeps a zero gradient, which momentum and weight decay act on."""
+    ``set_to_none=True``, on their classes and not replaced on the objects. Only then may the plugin drop a step's
+    gradients early: under ``set_to_none=False`` a parameter unused in the next step keeps a zero gradient, which
+    momentum and weight decay act on."""
     if getattr(type(module), "optimizer_zero_grad", None) is not pl.LightningModule.optimizer_zero_grad:
         return False
+    if "optimizer_zero_grad" in vars(module):
+        return False
     for optimizer in optimizers:
+        if "zero_grad" in vars(optimizer) or "zero_grad" in vars(unwrap(optimizer)):
+            return False
         try:
             default = inspect.signature(type(unwrap(optimizer)).zero_grad).parameters["set_to_none"].default
         except (KeyError, TypeError, ValueError):  # a zero_grad of its own, without torch's argument

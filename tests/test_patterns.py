@@ -699,15 +699,37 @@ class KeepsZeros(Branchy):
         optimizer.zero_grad(set_to_none=False)
 
 
+def keeps_zeros_on_the_object() -> Branchy:
+    """``zero_grad(set_to_none=False)`` given to the module object, not its class (Lightning looks hooks up there)."""
+    model = Branchy()
+    model.optimizer_zero_grad = lambda epoch, batch_idx, optimizer: optimizer.zero_grad(set_to_none=False)  # type: ignore[method-assign]
+    return model
+
+
+class ClipsAfterBackward(Branchy):
+    """Clips in ``on_after_backward`` with a bound never reached: every gradient is multiplied in place by 1."""
+
+    def on_after_backward(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1e9)
+
+
 @pytest.mark.parametrize(
     ("module", "plugin_kwargs", "expected"),
     [
         # zero_grad(set_to_none=False): the branch keeps a zero gradient, which momentum acts on, as under "32-true";
         # after the skipped step 1 too (the skip leaves zeros, as GradScaler's inf gradients zeroed by zero_grad)
         (KeepsZeros, {}, [True, False, True, True]),
+        (keeps_zeros_on_the_object, {}, [True, False, True, True]),
         # accumulate_fp32 gives each parameter fp32 zeros to accumulate into: the unused branch's are taken back
         pytest.param(
             Branchy,
+            {"accumulate_fp32": True},
+            [True, False, False, False],
+            marks=pytest.mark.skipif(not GRAD_DTYPE, reason="accumulate_fp32 needs torch >= 2.13"),
+        ),
+        # ... also when a clip multiplied those zeros in place: only a backward's accumulation makes them a gradient
+        pytest.param(
+            ClipsAfterBackward,
             {"accumulate_fp32": True},
             [True, False, False, False],
             marks=pytest.mark.skipif(not GRAD_DTYPE, reason="accumulate_fp32 needs torch >= 2.13"),

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, whole_step
@@ -34,7 +35,10 @@ class GradientFlow:
     converted: dict[Tensor, None]
     groups: GroupSwap
     _kept: list[Gradients]  # steps whose masters keep their fp32 gradients until the next forward
-    _zeros: dict[Tensor, tuple[Tensor, int]]  # parameter -> zero fp32 gradient given to it, and its version then
+    # parameter -> zeros given to it as its gradient, standing for none until written into: their version then, or
+    # None where only a backward's accumulation counts (:meth:`accumulate_in_fp32`)
+    _zeros: dict[Tensor, tuple[Tensor, Optional[int]]]
+    _accumulated: dict[Tensor, RemovableHandle]  # the hooks that see a backward accumulate into a parameter
 
     def add_master(self, param: Tensor, master: Tensor) -> None:
         raise NotImplementedError
@@ -238,15 +242,24 @@ class GradientFlow:
             elif g is None:
                 zeros = torch.zeros_like(m)
                 _set_grad(p, zeros)
-                self._zeros[p] = (zeros, _compat.version(zeros))
+                # a backward's accumulation into them takes them off the list; nothing else does (a clip that
+                # multiplies every gradient in place leaves them zeros nothing was accumulated into)
+                self._zeros[p] = (zeros, None)
+                if p not in self._accumulated:
+                    self._accumulated[p] = p.register_post_accumulate_grad_hook(self._accumulated_into)
             elif g.dtype != torch.float32:
                 _set_grad(p, g.float())
 
+    def _accumulated_into(self, param: Tensor) -> None:
+        """A backward accumulated into ``param``'s gradient: zeros given to it are a sum of gradients now."""
+        self._zeros.pop(param, None)
+
     def drop_unused_zeros(self) -> None:
-        """Take back the zero fp32 gradients of :meth:`accumulate_in_fp32` that no backward accumulated into (their
-        version counter is where it was)."""
+        """Take back the zero gradients that stand for none: those of :meth:`accumulate_in_fp32` that no backward
+        accumulated into, and those of :meth:`discard` that nothing wrote into since (their version counter is where
+        it was)."""
         for p, (zeros, version) in self._zeros.items():
-            if p.grad is zeros and _compat.version(zeros) == version:
+            if p.grad is zeros and (version is None or _compat.version(zeros) == version):
                 _set_grad(p, None)
         self._zeros.clear()
 
@@ -279,17 +292,22 @@ class GradientFlow:
                 grads.on_params_versions[i] = _compat.version(shown)
 
     def discard(self, grads: Gradients, zero: bool = False) -> None:
-        """A skipped step: drop every gradient it had, the parameters' own included; ``zero``: leave zeros in the
-        parameters' own formats instead, as ``zero_grad(set_to_none=False)`` would."""
+        """A skipped step: drop every gradient it had, the parameters' own included.
+
+        ``zero``: leave zeros in the parameters' own formats instead, which ``zero_grad(set_to_none=False)`` keeps (a
+        parameter unused in the next step then has a zero gradient, as under "32-true"). Until something writes
+        into them (that ``zero_grad``, a backward), they stand for no gradient: a step taken again finds none
+        (:meth:`drop_unused_zeros`), as ``GradScaler`` skips it again.
+        """
         for m in grads.masters:
             m.grad = None
-        for p in grads.params:
-            _set_grad(p, torch.zeros_like(p) if zero else None)
-        for p in grads.own_params:
+        for p in [*grads.params, *grads.own_params]:
             if zero and p.grad is not None:
-                p.grad.zero_()
+                zeros = torch.zeros_like(p)
+                _set_grad(p, zeros)
+                self._zeros[p] = (zeros, _compat.version(zeros))
             else:
-                p.grad = None
+                _set_grad(p, None)
 
     def release(self, drop: bool) -> None:
         """Release the fp32 gradients that the masters kept from the last step(s).
@@ -303,6 +321,7 @@ class GradientFlow:
         for i in range(len(self._kept)):  # by index: a loop variable would still hold a step's gradients below
             _release(self._kept[i], drop)
         self._kept.clear()
+        self._zeros = {p: (z, v) for p, (z, v) in self._zeros.items() if p.grad is z}  # the others are gone
         self.groups.layouts.release()
 
 

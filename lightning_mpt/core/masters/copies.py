@@ -67,7 +67,8 @@ class CopyMasters(GradientFlow):
         self.converted: dict[Tensor, None] = {}  # every parameter given a half tensor (an ordered set)
         self.groups = GroupSwap(self.masters, self.converted)
         self._kept: list[Gradients] = []  # steps whose masters keep their fp32 gradients until the next forward
-        self._zeros: dict[Tensor, tuple[Tensor, int]] = {}  # of accumulate_in_fp32, not yet accumulated into
+        self._zeros: dict[Tensor, tuple[Tensor, Optional[int]]] = {}  # zero gradients standing for none (GradientFlow)
+        self._accumulated: dict[Tensor, RemovableHandle] = {}
         self.names: dict[Tensor, str] = {}
         self._handles: list[RemovableHandle] = []
 
@@ -101,6 +102,9 @@ class CopyMasters(GradientFlow):
         self.groups.invalidate()
         self._kept.clear()
         self._zeros.clear()
+        for handle in self._accumulated.values():
+            handle.remove()
+        self._accumulated.clear()
 
     def add_master(self, param: Tensor, master: Tensor) -> None:
         self.masters[param] = master

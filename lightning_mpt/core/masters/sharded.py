@@ -384,12 +384,10 @@ class ShardedMasters:
         return whole_step(self, optimizer, grads)
 
     def discard(self, grads: Gradients, zero: bool = False) -> None:
-        """A skipped step: drop its gradient shards (``zero``: zero them)."""
+        """A skipped step: drop its gradient shards. Whatever ``zero`` says: FSDP2 leaves ``None`` (so after
+        ``zero_grad(set_to_none=False)`` a parameter unused in the next step has no gradient, not zeros)."""
         for p in grads.all_params():
-            if zero and p.grad is not None:
-                p.grad.zero_()
-            else:
-                p.grad = None
+            p.grad = None
 
     def release(self, drop: bool) -> None:
         """Nothing kept past the step: the gradient shards are the parameters' own."""
