@@ -199,7 +199,13 @@ def unreadable_files(root: Path, runs: list[str]) -> tuple[dict[str, str], set[s
 
 def _read_run(name: str, path: Path, acc: event_accumulator.EventAccumulator) -> RunData:
     found = acc.Tags()
-    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in found["scalars"] if t.startswith(tags.PREFIX)}
+    # one point per step, the last written: a run resumed into its own log directory from a checkpoint older than
+    # its last logged step logs those steps again (TensorBoard's reader keeps both: torch's writer marks no restart)
+    scalars = {
+        t: sorted({e.step: e.value for e in acc.Scalars(t)}.items())
+        for t in found["scalars"]
+        if t.startswith(tags.PREFIX)
+    }
     try:
         record_tags = sorted(acc.PluginTagToContent(tags.PLUGIN_NAME))  # the records: found by their plugin name
     except KeyError:  # no records in this run

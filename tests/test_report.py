@@ -121,6 +121,32 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------- the numbers
+def test_steps_logged_again_by_a_resumed_run_count_once(tmp_path: Path) -> None:
+    """A run resumed from its step-4 checkpoint into its own log directory logs steps 4 and 5 again: each counts
+    once, with the resumed run's value."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(max_steps: int, ckpt_path: Optional[Path], callbacks: list) -> None:
+        logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+        monitors = [LossScaleMonitor(), *callbacks]
+        trainer = quiet_trainer(
+            plugins=[MPTPrecision("fp16")],
+            logger=logger,
+            max_steps=max_steps,
+            callbacks=monitors,
+            enable_checkpointing=True,
+        )
+        trainer.fit(TinyMLP(), regression_data(n=160), ckpt_path=ckpt_path)
+
+    torch.manual_seed(0)
+    fit(6, None, [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)])
+    fit(8, tmp_path / "ckpt" / "epoch=0-step=4.ckpt", [])
+    (summary,) = build_report(tmp_path).runs
+    assert summary.steps == 8
+    assert summary.scale is not None
+    assert summary.scale.points == 8
+
+
 @pytest.mark.parametrize(
     ("trained", "monitors"),
     [
