@@ -321,7 +321,8 @@ class GradientFlow:
         for i in range(len(self._kept)):  # by index: a loop variable would still hold a step's gradients below
             _release(self._kept[i], drop)
         self._kept.clear()
-        self._zeros = {p: (z, v) for p, (z, v) in self._zeros.items() if p.grad is z}  # the others are gone
+        if self._zeros:  # the zeros a skip left that are no longer the gradients are gone
+            self._zeros = {p: (z, v) for p, (z, v) in self._zeros.items() if p.grad is z}
         self.groups.layouts.release()
 
 
