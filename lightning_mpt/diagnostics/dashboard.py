@@ -22,7 +22,25 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.tags import CATEGORY
 
-__all__ = ["CATEGORY", "CHARTS", "FP8_CHARTS", "layout_dict", "mixed_precision_layout"]
+__all__ = ["CATEGORY", "CHARTS", "FP8_CHARTS", "dashboard_url", "layout_dict", "mixed_precision_layout"]
+
+
+def dashboard_url(host: str = "localhost", port: int = 6006) -> str:
+    """The address that opens TensorBoard on the "Mixed precision" dashboard with smoothing off.
+
+    Smoothing (0.6 by default) draws a loss scale the run never had and fractional scale changes: the dashboard's
+    step functions are only readable unsmoothed.
+
+    Args:
+        host: where ``tensorboard --logdir ...`` serves.
+        port: its ``--port`` (6006 by default).
+
+    Example:
+        ```python
+        assert dashboard_url() == "http://localhost:6006/#custom_scalars&_smoothingWeight=0"
+        ```
+    """
+    return f"http://{host}:{port}/#custom_scalars&_smoothingWeight=0"
 
 
 def _exactly(tag: str) -> str:
