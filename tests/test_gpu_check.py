@@ -23,7 +23,8 @@ def gpu_check() -> ModuleType:
     """The script as a module (scripts/ is no package)."""
     if "gpu_check" not in sys.modules:
         spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-        assert spec is not None and spec.loader is not None
+        assert spec is not None
+        assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules["gpu_check"] = module  # before running it: its dataclasses look their module up
         spec.loader.exec_module(module)
@@ -108,7 +109,8 @@ def test_dry_run_writes_every_part_and_records_the_failing_one(
     # the CUDA tests were collected and skipped (no GPU), the host time measured
     tests = text.split("## tests: ")[1].split("\n## ")[0]
     assert re.search(r"\d+ skipped", tests)
-    assert "-m cuda" in tests and "tests/test_cuda_fp8.py" in tests
+    assert "-m cuda" in tests
+    assert "tests/test_cuda_fp8.py" in tests
     assert "total / GradScaler" in text.split("## host: ")[1]
     # GPT-2's part on the tiny model: a row per precision in the step-time and memory tables, the raw numbers
     gpt2: dict[str, Any] = json.loads((out / "gpt2.json").read_text())
@@ -133,10 +135,12 @@ def test_every_mpt_precision_of_the_benchmarks_is_in_the_gpu_check() -> None:
 def test_wheels_install_from_a_folder_and_a_missing_folder_fails(tmp_path: Path) -> None:
     module = gpu_check()
     code, note = module.install_wheels(tmp_path / "nowhere", tmp_path / "site", sys.executable, tmp_path / "w.log")
-    assert code != 0 and "no such folder" in note
+    assert code != 0
+    assert "no such folder" in note
     (tmp_path / "empty").mkdir()
     code, note = module.install_wheels(tmp_path / "empty", tmp_path / "site", sys.executable, tmp_path / "w.log")
-    assert code != 0 and "no .whl" in note
+    assert code != 0
+    assert "no .whl" in note
 
 
 def test_bad_options_are_refused() -> None:
