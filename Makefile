@@ -47,16 +47,16 @@ docs: $(STAMP)
 bench: $(STAMP)  ## speed ratios (5 interleaved rounds), bandwidth floor, memory and profile against Lightning's precisions (benchmarks/README.md)
 	$(PY) benchmarks/run_all.py
 
-gpu-check: $(STAMP)  ## on a CUDA machine: the CUDA tests (fp8 included), GPT-2 small per precision -> build/gpu-check.md, bf16-mixed vs MPTPrecision("bf16") vs fp8 -> build/gpu-fp8.md, the memory modes' step time and the plugin's host time -> build/gpu-memory.md
-	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" || { echo "gpu-check: no CUDA GPU on this machine; nothing to check."; exit 0; }; \
-	mkdir -p build; $(PY) -m pytest -q -m cuda tests/test_cuda.py tests/test_cuda_fp8.py; tests=$$?; \
-	$(PY) benchmarks/run_all.py --accelerator gpu --max-minutes 5 --out build/gpu-check.md; bench=$$?; \
-	$(PY) benchmarks/gpu_fp8.py --out build/gpu-fp8.md; fp8=$$?; \
-	{ $(PY) benchmarks/step_time.py --accelerator gpu --workloads transformer --no-floor --quiet --rounds 5 \
-		--precisions bf16-mixed mpt-bf16 mpt-bf16-chunked mpt-bf16-remainders \
-	  && $(PY) benchmarks/engine_overhead.py --device cuda --rounds 5 --parts; } > build/gpu-memory.md; memory=$$?; \
-	echo "gpu-check: CUDA tests exit $$tests, benchmark exit $$bench, fp8 benchmark exit $$fp8, memory modes exit $$memory; tables in build/gpu-check.md, build/gpu-fp8.md, build/gpu-memory.md"; \
-	test $$tests -eq 0 && test $$bench -eq 0 && test $$fp8 -eq 0 && test $$memory -eq 0
+# The GPU check needs no install: .venv's python when there is one, else python3 with the checkout on PYTHONPATH (the
+# GPU machine: no network, torch and Lightning installed). torchao travels as wheels in .whl/ (docs/benchmarks.md).
+GPU_PY   = $(if $(wildcard $(PY)),$(PY),python3)
+GPU_OUT ?= build/gpu-check
+GPU_ARGS ?=
+gpu-check:  ## on a CUDA machine, under 8 minutes: the CUDA tests, host time per step, fp8, GPT-2 small per precision (step time, bytes per parameter, peak memory) -> build/gpu-check/gpu-check.md (GPU_ARGS=--dry-run: the logic on a CPU)
+	@PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) scripts/gpu_check.py --out $(GPU_OUT) \
+		$(if $(wildcard .whl/*.whl),--wheels .whl) $(GPU_ARGS); code=$$?; \
+	if [ $$code -eq 3 ]; then echo "gpu-check: nothing to check here (make gpu-check GPU_ARGS=--dry-run runs its logic on the CPU)"; exit 0; fi; \
+	exit $$code
 
 LIGHTNING_TESTS ?= build/lightning-tests
 LIGHTNING_COMMIT := be98784a1a03581b7051a355ae1084fd352d7cea  # tag 2.6.5, the one scripts/peer/SELECTED.txt was curated at
