@@ -36,6 +36,7 @@ the command lines, not the numbers (``tests/test_gpu_check.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -214,34 +215,41 @@ def make_parts(args: argparse.Namespace, py: str, out: Path, scratch: Path) -> l
 def run_command(command: list[str], limit: float, env: dict[str, str], log: Path) -> tuple[Optional[int], str, str]:
     """Run ``command`` from the repository root, killed (its whole process group) after ``limit`` seconds.
 
-    Returns ``(exit code or None on a timeout, stdout, note)``; writes the command, stdout and stderr to ``log``."""
+    Returns ``(exit code or None on a timeout, stdout, note)``; writes the command, stdout and stderr to ``log``, also
+    when this script is stopped while the command runs."""
+    code: Optional[int] = None
+    note = "stopped with the check"
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        code: Optional[int]
-        note = ""
         try:
-            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
-        except OSError as e:
-            code, note = 127, f"could not start: {e}"
-        else:
             try:
-                code = proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                code, note = None, f"killed after its limit of {limit:.0f} s"
-                for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                    try:
-                        os.killpg(proc.pid, sig)
-                        proc.wait(timeout=grace)
-                        break
-                    except (ProcessLookupError, subprocess.TimeoutExpired):
-                        continue
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    log.write_text(
-        f"$ {shlex.join(command)}\n# exit: {code if code is not None else 'timeout'} {note}\n\n"
-        f"----- stdout -----\n{stdout}\n----- stderr -----\n{stderr}",
-        encoding="utf-8",
-    )
+                proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+            except OSError as e:
+                code, note = 127, f"could not start: {e}"
+            else:
+                try:
+                    code, note = proc.wait(timeout=limit), ""
+                except subprocess.TimeoutExpired:
+                    note = f"killed after its limit of {limit:.0f} s"
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGTERM)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=10)
+                finally:
+                    # what the part left in its process group (workers, a killed run's children) goes too, so that
+                    # the next part has the GPU to itself; and the part goes if this script is stopped (SIGTERM)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=10)
+        finally:
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+            log.write_text(
+                f"$ {shlex.join(command)}\n# exit: {code if code is not None else 'none'} {note}\n\n"
+                f"----- stdout -----\n{stdout}\n----- stderr -----\n{stderr}",
+                encoding="utf-8",
+            )
     return code, stdout, note
 
 
@@ -407,6 +415,7 @@ def write_summary(
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the part's group is killed too
     budget = 60 * args.max_minutes
     deadline = started + budget
     out = args.out.resolve()
