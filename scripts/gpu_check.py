@@ -68,7 +68,7 @@ PRECISIONS = (
     "mpt-bf16-nomaster",
 )
 
-RESERVE_S = 15.0  # of the budget: the machine probe, the wheels and writing the summary
+RESERVE_S = 15.0  # of the budget, kept after the last part: its kill (at most 10 s past its limit), the summary
 TAIL_S = 40.0  # of the gpt2 part's limit, not given to its rounds: imports, the round that overruns, the tables
 PART_NAMES = ("tests", "host", "fp8", "gpt2")  # the order they run in
 
@@ -188,7 +188,7 @@ def make_parts(args: argparse.Namespace, py: str, out: Path, scratch: Path) -> l
         ),
         Part(
             "fp8",
-            'fp8: GPT-2 small under "bf16-mixed", MPTPrecision("bf16") and fp8 (torchao)',
+            'GPT-2 small under "bf16-mixed", MPTPrecision("bf16") and fp8 (torchao)',
             0.17,
             ["benchmarks/gpu_fp8.py"],
             fp8,
@@ -233,14 +233,14 @@ def run_command(command: list[str], limit: float, env: dict[str, str], log: Path
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGTERM)
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=10)
+                        proc.wait(timeout=5)
                 finally:
                     # what the part left in its process group (workers, a killed run's children) goes too, so that
                     # the next part has the GPU to itself; and the part goes if this script is stopped (SIGTERM)
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(proc.pid, signal.SIGKILL)
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=10)
+                        proc.wait(timeout=5)
         finally:
             out.seek(0)
             err.seek(0)
