@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mpt import _averaging, _compat
+from lightning_mpt import _averaging, _compat, _retries
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
 from lightning_mpt.core.config import check_overflow_retries
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, is_fully_sharded
@@ -254,15 +254,17 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         # as Lightning's MixedPrecision with a scaler: run the closure, decide, hooks and clipping, then step or skip
         if self.scaler is not None:
             _check_optimizer(optimizer)
+        retries = self.overflow_retries if automatic else 0
+        before = _retries.TryState(model) if retries else None  # what a discarded try logs is taken back
         closure_result = closure()
         if closure_result is None and automatic:  # training_step returned None: no backward, nothing to step
             after()
             return None
         pending = self._engine.decide(optimizer)
-        retries = self.overflow_retries if automatic else 0
-        while pending.skipped and pending.loss_finite and retries > 0:  # a lower scale can help a finite loss only
+        while before is not None and pending.skipped and pending.loss_finite and retries > 0:  # finite loss only
             retries -= 1
             self._engine.give_up(optimizer, pending)  # the scale backs off
+            before.restore()  # the epoch's logged values and the module's metrics count the batch once
             closure_result = closure()  # zero_grad, training_step and backward again, on the same batch
             if closure_result is None:
                 after()

@@ -3,8 +3,9 @@
 - ``core/``: torch only; nothing from Lightning, nothing of ours above it.
 - ``diagnostics/``: torch, torchmetrics and TensorBoard; nothing from Lightning, nothing of ours above it (it may use
   ``core/``).
-- The two front-ends never import each other: the Trainer's (``precision.py``, ``callbacks/``, ``_averaging.py``) and
-  Fabric's (``fabric/``). What both need lives below them (``_plugin.py``, ``core/``, ``diagnostics/``).
+- The two front-ends never import each other: the Trainer's (``precision.py``, ``callbacks/``, ``_averaging.py``,
+  ``_retries.py``) and Fabric's (``fabric/``). What both need lives below them (``_plugin.py``, ``core/``,
+  ``diagnostics/``).
 
 Imports are read from the source (every ``import``, also inside functions and under ``TYPE_CHECKING``), so a lazy
 import cannot hide a wrong direction. Docstrings are not code and are not read.
@@ -19,7 +20,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mpt"
 
-TRAINER = ("lightning_mpt.precision", "lightning_mpt.callbacks", "lightning_mpt._averaging")
+TRAINER = ("lightning_mpt.precision", "lightning_mpt.callbacks", "lightning_mpt._averaging", "lightning_mpt._retries")
 FABRIC = ("lightning_mpt.fabric",)
 BELOW_ADAPTERS = (
     "lightning_mpt._plugin",
@@ -40,6 +41,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "precision.py": FABRIC,
     "callbacks/": FABRIC,
     "_averaging.py": FABRIC,
+    "_retries.py": FABRIC,
     "fabric/": ("lightning.pytorch", *TRAINER),
     "report.py": ("lightning", *TRAINER, *FABRIC),
     "report_events.py": ("lightning", *TRAINER, *FABRIC),
