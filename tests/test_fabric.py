@@ -962,8 +962,7 @@ def test_weights_edited_in_place_reach_the_masters():
 
 def test_sharded_strategies_and_other_optimizer_objects_are_refused():
     plugin = MPTPrecision("fp16")
-    plugin.convert_module(mlp())
-    module = plugin._module
+    module = plugin.convert_module(mlp()).module
     module[0].weight = nn.Parameter(module[0].weight.detach().clone())  # what a sharding strategy does to parameters
     with pytest.raises(ValueError, match="DDP family"), plugin.forward_context():
         pass
