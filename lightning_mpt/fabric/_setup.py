@@ -23,7 +23,7 @@ from lightning_mpt.core.engine import MixedPrecisionEngine
 from lightning_mpt.core.masters import distributed, is_fully_sharded
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.fabric._load_guards import LoadGuards, warn_if_rounded
-from lightning_mpt.fabric._module import ForwardModule
+from lightning_mpt.fabric._module import ForwardModule, UnmarkedCalls
 
 __all__ = ["ModuleHooks", "ModuleSetUp"]
 
@@ -72,6 +72,7 @@ class ModuleSetUp:
         self._adopted: list[Optimizer] = []
         # optimizer state loads into the masters also before the first step, which adopts the optimizer
         self.loads = LoadGuards(engine.masters, half, self.ensure_ready)
+        self.unmarked = UnmarkedCalls(half)  # an unmarked method's call of a half layer: the method to mark
 
     def run_for(self, module: Module) -> Optional[Module]:
         """What Fabric runs for ``module`` when it is the converted module (or that already), ``None`` when no module
@@ -95,6 +96,7 @@ class ModuleSetUp:
         self.synced = not distributed()
         if watch_loads:
             self.loads.watch(module)
+        self.unmarked.watch(module)
         self.forward = ForwardModule(module)
         return self.forward
 
@@ -163,6 +165,7 @@ class ModuleSetUp:
     def close(self) -> None:
         """Forget the module (the engine restored it): hooks removed, nothing adopted."""
         self.loads.close()
+        self.unmarked.close()
         self.module, self.forward = None, None
         self._params = set()
         self._adopted.clear()

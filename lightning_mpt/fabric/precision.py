@@ -121,7 +121,7 @@ class MPTPrecision(ModuleHooks, Precision):
     def _forward_context(self) -> Generator[None, None, None]:
         self._setup.ensure_ready()
         self._engine.release_gradients(drop=False)  # the last step's fp32 gradients are not needed past this point
-        with torch.autocast(self.device, dtype=self._dtype, cache_enabled=False):
+        with self._setup.unmarked.inside(), torch.autocast(self.device, dtype=self._dtype, cache_enabled=False):
             yield
 
     def convert_output(self, data: Any) -> Any:
