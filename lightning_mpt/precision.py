@@ -23,6 +23,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt import _averaging, _compat, _retries
+from lightning_mpt._gradscaler import find_gradscaler_state
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
 from lightning_mpt.core.config import check_overflow_retries
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, is_fully_sharded
@@ -173,6 +174,13 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
                 "several batches. Use overflow_retries=0 with gradient accumulation."
             )
         return model, optimizers, lr_schedulers
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a run of Lightning's "16-mixed" resumed: no state of this plugin, its GradScaler's scale is taken over
+        if type(self).__qualname__ not in checkpoint:
+            saved = find_gradscaler_state(checkpoint)
+            if saved is not None:
+                self.load_state_dict(saved)
 
     def teardown(self) -> None:
         for adapted in self._averaging:

@@ -1091,3 +1091,36 @@ def test_litgpt_example_under_fsdp2_on_two_processes(tmp_path):
     names = set(acc.Tags()["scalars"])
     assert {"mpt/loss_scale", "mpt/grad_zero_fraction", "mpt/scale_headroom", "train_loss"} <= names
     assert len(acc.Scalars("mpt/loss_scale")) == 40
+
+
+def test_a_16_mixed_checkpoint_with_its_precision_resumes_at_its_gradscalers_scale(tmp_path):
+    """Fabric saves a precision plugin's state when it is an entry of ``fabric.save``'s state. A loop under Fabric's
+    "16-mixed" (a real GradScaler) saved with ``"precision": fabric.strategy.precision`` and loaded into
+    ``MPTPrecision("fp16")`` under the same entry: the GradScaler's scale and growth tracker are taken over, and the
+    resumed loop does not skip its first steps."""
+
+    data = batches(20)
+
+    def loop(fabric: L.Fabric, steps: range, path: Optional[Path] = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp()
+        model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+        if path is not None:
+            fabric.load(path, {"model": model, "optimizer": opt, "precision": fabric.strategy.precision})
+        for x, y in (data[i] for i in steps):
+            fabric.backward(F.mse_loss(model(x), y) * 2.0**14)  # overflows fp16 at a scale of 2**16
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    amp = fabrics_own_mixed("fp16")
+    model, opt = loop(amp, range(16))
+    saved = amp.strategy.precision.scaler.state_dict()
+    assert saved["scale"] < 2.0**16  # it backed off
+    assert saved["_growth_tracker"] > 0  # then stepped at that scale
+    amp.save(tmp_path / "amp.pt", {"model": model, "optimizer": opt, "precision": amp.strategy.precision})
+
+    plugin = MPTPrecision("fp16")
+    loop(fabric_with(plugin), range(16, 20), tmp_path / "amp.pt")
+    assert plugin.history[0].scale == saved["scale"]
+    assert plugin.skipped_steps == 0  # without the saved scale it would start at 2**16 and skip these steps
+    assert plugin.scaler.growth_tracker == saved["_growth_tracker"] + 4

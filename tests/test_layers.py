@@ -25,6 +25,7 @@ FABRIC = ("lightning_mpt.fabric",)
 BELOW_ADAPTERS = (
     "lightning_mpt._plugin",
     "lightning_mpt._fp8_plugin",
+    "lightning_mpt._gradscaler",
     "lightning_mpt.report",
     "lightning_mpt.report_events",
     "lightning_mpt.report_plots",
@@ -38,6 +39,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "diagnostics/": ("lightning", *TRAINER, *FABRIC, *BELOW_ADAPTERS),
     "_plugin.py": ("lightning.pytorch", "lightning.fabric.fabric", *TRAINER, *FABRIC),
     "_fp8_plugin.py": ("lightning", *TRAINER, *FABRIC),
+    "_gradscaler.py": ("lightning.pytorch", "lightning.fabric.fabric", *TRAINER, *FABRIC),
     "precision.py": FABRIC,
     "callbacks/": FABRIC,
     "_averaging.py": FABRIC,
