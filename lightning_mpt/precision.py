@@ -25,6 +25,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_mpt import _averaging, _compat, _retries
 from lightning_mpt._gradscaler import find_gradscaler_state
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
+from lightning_mpt._pretrained import SavedAsMasters
 from lightning_mpt.core.config import check_overflow_retries
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, is_fully_sharded
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
@@ -126,6 +127,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._averaging: list[_averaging.Adapted] = []  # weight-averaging callbacks pointed at the masters
+        self._pretrained = SavedAsMasters(self._dtype)  # Hugging Face models' save_pretrained says fp32 in training
 
     _access = "trainer.precision_plugin"
 
@@ -142,7 +144,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         module = self._convert_fp8(module, sharded)
         # Lightning loads a checkpoint's weights before it converts the module (strategies that restore after set-up
         # load them into the converted module, where the load hook sees them)
-        return self._engine.convert(module, restored=trainer is not None and trainer.ckpt_path is not None)
+        module = self._engine.convert(module, restored=trainer is not None and trainer.ckpt_path is not None)
+        if self.master_weights:
+            self._pretrained.watch(module)
+        return module
 
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -186,6 +191,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         for adapted in self._averaging:
             adapted.release()
         self._averaging.clear()
+        self._pretrained.close()
         self._engine.restore()
 
     # ------------------------------------------------------------------ forward and backward

@@ -19,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_mpt._plugin import MixedPrecisionPlugin, supported_strategies, unwrap
+from lightning_mpt._pretrained import SavedAsMasters
 from lightning_mpt.core.engine import MixedPrecisionEngine
 from lightning_mpt.core.masters import distributed, is_fully_sharded
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -45,7 +46,7 @@ class ModuleSetUp:
         engine = MixedPrecisionEngine(CopyMasters(torch.float16))
         devices = []
         setup = ModuleSetUp(engine, torch.float16, sharded=False, on_device=devices.append)
-        forward = setup.converted(engine.convert(torch.nn.Linear(2, 2)), watch_loads=True)  # convert_module
+        forward = setup.converted(engine.convert(torch.nn.Linear(2, 2)), with_masters=True)  # convert_module
         setup.ensure_ready()  # the first forward, backward or step
         assert setup.ready and devices == [torch.device("cpu")] and forward.module is setup.module
         setup.close()
@@ -73,6 +74,7 @@ class ModuleSetUp:
         # optimizer state loads into the masters also before the first step, which adopts the optimizer
         self.loads = LoadGuards(engine.masters, half, self.ensure_ready)
         self.unmarked = UnmarkedCalls(half)  # an unmarked method's call of a half layer: the method to mark
+        self.saves = SavedAsMasters(half)  # Hugging Face models' save_pretrained says fp32, as the masters saved are
 
     def run_for(self, module: Module) -> Optional[Module]:
         """What Fabric runs for ``module`` when it is the converted module (or that already), ``None`` when no module
@@ -88,14 +90,15 @@ class ModuleSetUp:
             "`fabric.strategy.precision.restore()` when done with the first."
         )
 
-    def converted(self, module: Module, watch_loads: bool) -> ForwardModule:
-        """Hold ``module``, cast by the engine; return what Fabric runs for it (``watch_loads``: guard optimizer
-        loads, when it has masters)."""
+    def converted(self, module: Module, with_masters: bool) -> ForwardModule:
+        """Hold ``module``, cast by the engine; return what Fabric runs for it (``with_masters``: it has fp32 masters,
+        which optimizer loads and Hugging Face saves are kept exact for)."""
         self.module, self.ready = module, False
         self._params = set(module.parameters())
         self.synced = not distributed()
-        if watch_loads:
+        if with_masters:
             self.loads.watch(module)
+            self.saves.watch(module)
         self.unmarked.watch(module)
         self.forward = ForwardModule(module)
         return self.forward
@@ -166,6 +169,7 @@ class ModuleSetUp:
         """Forget the module (the engine restored it): hooks removed, nothing adopted."""
         self.loads.close()
         self.unmarked.close()
+        self.saves.close()
         self.module, self.forward = None, None
         self._params = set()
         self._adopted.clear()
@@ -208,7 +212,7 @@ class ModuleHooks(MixedPrecisionPlugin):
             return module
         module = self._convert_fp8(module)  # Float8Linear keeps the Linear's parameters: they get masters next
         self._engine.convert(module)
-        return self._setup.converted(module, watch_loads=self.master_weights)
+        return self._setup.converted(module, with_masters=self.master_weights)
 
     def adopt(self, *optimizers: Optimizer) -> None:
         """Take charge of ``optimizers`` now rather than at their first step (optional).
