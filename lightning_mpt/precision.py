@@ -275,7 +275,8 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             after()
             return None
         pending = self._engine.decide(optimizer)
-        while before is not None and pending.skipped and pending.loss_finite and retries > 0:  # finite loss only
+        # a lower scale can help a finite loss only
+        while before is not None and pending.skipped and pending.loss_finite and retries > 0:
             retries -= 1
             self._engine.give_up(optimizer, pending)  # the scale backs off
             before.restore()  # the epoch's logged values and the module's metrics count the batch once
