@@ -106,6 +106,19 @@ def attached_trainer(module: Any) -> Optional[Any]:
     return getattr(module, "_trainer", None)
 
 
+def logged_results(trainer: Any) -> Optional[dict[str, Any]]:
+    """What ``self.log`` logged in the loop running now: its ``_ResultCollection``, a dict from a key per logged name
+    to a ``_ResultMetric`` (a torchmetrics ``Metric`` holding the running reduction), or ``None`` outside a loop.
+
+    Why: ``overflow_retries`` runs ``training_step`` again on the same batch and must take back what a discarded try
+    logged, or the epoch's aggregates count that batch once per try; Lightning has no public way to reach the logged
+    values before the epoch ends. Exists: ``Trainer._results`` and the ``_ResultMetric`` attributes ``value``,
+    ``cumulated_batch_size`` and ``has_reset`` in Lightning 2.0 through 2.6.6.
+    """
+    results: Optional[dict[str, Any]] = trainer._results
+    return results
+
+
 # Lightning's ``WeightAveraging`` (lightning >= 2.6, through 2.6.6) moves weights between the LightningModule and its
 # average in two private methods, which its public hooks call with the module. The plugin hands those hooks a view of
 # the fp32 masters in place of the module; a subclass that overrides one of these methods would receive that view, so

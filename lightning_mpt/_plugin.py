@@ -18,6 +18,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_mpt._fp8_plugin import Float8Plugin
+from lightning_mpt._gradscaler import is_gradscaler_state, take_over
 from lightning_mpt.core.config import (
     LIGHTNING_NAMES,
     check_arguments,
@@ -297,7 +298,11 @@ class MixedPrecisionPlugin(Float8Plugin):
         return {"precision": self.precision, "master_weights": self.master_weights, **self._engine.log.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a warning says what could not be restored as saved."""
+        """Restore :meth:`state_dict`; a warning says what could not be restored as saved. A ``torch.amp.GradScaler``'s
+        state (a run of Lightning's ``"16-mixed"`` resumed under this plugin) gives the scaler its scale."""
+        if is_gradscaler_state(state_dict):
+            take_over(self.scaler, state_dict)
+            return
         warning = self._engine.log.load_state_dict(state_dict)
         if warning:
             rank_zero_warn(f"MPTPrecision: {warning}")

@@ -22,8 +22,10 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mpt import _averaging, _compat
+from lightning_mpt import _averaging, _compat, _retries
+from lightning_mpt._gradscaler import find_gradscaler_state
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
+from lightning_mpt._pretrained import SavedAsMasters
 from lightning_mpt.core.config import check_overflow_retries
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, is_fully_sharded
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
@@ -125,6 +127,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._averaging: list[_averaging.Adapted] = []  # weight-averaging callbacks pointed at the masters
+        self._pretrained = SavedAsMasters(self._dtype)  # Hugging Face models' save_pretrained says fp32 in training
 
     _access = "trainer.precision_plugin"
 
@@ -141,7 +144,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         module = self._convert_fp8(module, sharded)
         # Lightning loads a checkpoint's weights before it converts the module (strategies that restore after set-up
         # load them into the converted module, where the load hook sees them)
-        return self._engine.convert(module, restored=trainer is not None and trainer.ckpt_path is not None)
+        module = self._engine.convert(module, restored=trainer is not None and trainer.ckpt_path is not None)
+        if self.master_weights:
+            self._pretrained.watch(module)
+        return module
 
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -174,10 +180,18 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             )
         return model, optimizers, lr_schedulers
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a run of Lightning's "16-mixed" resumed: no state of this plugin, its GradScaler's scale is taken over
+        if type(self).__qualname__ not in checkpoint:
+            saved = find_gradscaler_state(checkpoint)
+            if saved is not None:
+                self.load_state_dict(saved)
+
     def teardown(self) -> None:
         for adapted in self._averaging:
             adapted.release()
         self._averaging.clear()
+        self._pretrained.close()
         self._engine.restore()
 
     # ------------------------------------------------------------------ forward and backward
@@ -254,15 +268,18 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         # as Lightning's MixedPrecision with a scaler: run the closure, decide, hooks and clipping, then step or skip
         if self.scaler is not None:
             _check_optimizer(optimizer)
+        retries = self.overflow_retries if automatic else 0
+        before = _retries.TryState(model) if retries else None  # what a discarded try logs is taken back
         closure_result = closure()
         if closure_result is None and automatic:  # training_step returned None: no backward, nothing to step
             after()
             return None
         pending = self._engine.decide(optimizer)
-        retries = self.overflow_retries if automatic else 0
-        while pending.skipped and pending.loss_finite and retries > 0:  # a lower scale can help a finite loss only
+        # a lower scale can help a finite loss only
+        while before is not None and pending.skipped and pending.loss_finite and retries > 0:
             retries -= 1
             self._engine.give_up(optimizer, pending)  # the scale backs off
+            before.restore()  # the epoch's logged values and the module's metrics count the batch once
             closure_result = closure()  # zero_grad, training_step and backward again, on the same batch
             if closure_result is None:
                 after()

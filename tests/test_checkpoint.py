@@ -266,3 +266,48 @@ def test_validate_test_predict_after_fit_run_under_the_plugin_on_the_masters(tmp
     # and the module works as a plain fp32 model
     x, _ = next(iter(data))
     assert model(x).dtype == torch.float32
+
+
+class Loud(TinyMLP):
+    """Its loss is multiplied by 2**12: at the default scale of 2**16 its gradients overflow fp16."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * 2.0**12
+
+
+def test_a_16_mixed_checkpoint_resumes_at_its_gradscalers_scale(tmp_path, caplog):
+    """A run of Lightning's "16-mixed" (a real GradScaler on CPU: ``MixedPrecision("16-mixed", "cpu")``) resumed under
+    ``MPTPrecision("fp16")``: the checkpoint holds GradScaler's state under "MixedPrecision" and none of the plugin's.
+    Its scale and growth tracker are taken over, so the resumed run goes on where the scale had got to and skips
+    nothing, rather than starting again at 2**16 and backing off for as many steps as the first run did."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    amp = MixedPrecision("16-mixed", "cpu")
+    torch.manual_seed(0)
+    trainer = quiet_trainer(max_steps=16, plugins=[amp])
+    trainer.fit(Loud(), regression_data(n=256, batch_size=16))
+    saved = amp.scaler.state_dict()
+    assert saved["scale"] < 2.0**16  # it backed off
+    assert saved["_growth_tracker"] > 0  # then stepped at that scale
+    trainer.save_checkpoint(tmp_path / "amp.ckpt")
+
+    plugin = MPTPrecision("fp16")
+    torch.manual_seed(0)
+    with caplog.at_level("INFO"):
+        quiet_trainer(max_steps=32, plugins=[plugin]).fit(
+            Loud(), regression_data(n=256, batch_size=16), ckpt_path=tmp_path / "amp.ckpt"
+        )
+    assert len(plugin.history) == 16
+    assert plugin.history[0].scale == saved["scale"]
+    assert plugin.skipped_steps == 0
+    assert plugin.scaler.growth_tracker == saved["_growth_tracker"] + 16  # the clean steps counted on
+    said = "took over the loss scale of the checkpoint's torch.amp.GradScaler (Lightning's '16-mixed'): scale"
+    assert f"{said} {saved['scale']:g}, " in caplog.text
+    # a static scale has nothing to take over: it says so
+    static = MPTPrecision("fp16", scaler=8.0)
+    refused = rf"GradScaler .* at scale {saved['scale']:g}; this plugin has a static scale, so it is not taken over"
+    with pytest.warns(UserWarning, match=refused):
+        quiet_trainer(max_steps=17, plugins=[static]).fit(
+            Loud(), regression_data(n=256, batch_size=16), ckpt_path=tmp_path / "amp.ckpt"
+        )
+    assert static.loss_scale == 8.0

@@ -301,6 +301,35 @@ def test_an_unmarked_method_that_runs_submodules_gets_fabrics_instruction_as_und
     assert model.encode_tokens(tokens).dtype == torch.float32
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_an_unmarked_method_on_float_inputs_says_to_mark_it_plain_and_under_fabric_autocast(fmt):
+    """From fp32 inputs an unmarked method would reach a half-precision layer outside autocast and fail on the dtypes
+    ("mat1 and mat2 must have the same dtype"). The plugin says instead which method to mark, and how; inside
+    ``fabric.autocast()`` the method runs and Fabric's own check says the same. Calls that work are left alone: a
+    marked method, the layer run on inputs of its own dtype, a method under the user's own autocast."""
+    plugin = MPTPrecision(fmt)
+    fabric = fabric_with(plugin)
+    model = fabric.setup(Encoder())
+    x = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match=r"MPTPrecision: `Encoder.encode\(\)` ran the layer `embed`") as plain:
+        model.encode(x)
+    assert "model.mark_forward_method('encode')" in str(plain.value)
+    assert f"{plugin.half_dtype} weights" in str(plain.value)
+    assert "fabric.autocast()" in str(plain.value)
+    with pytest.raises(RuntimeError, match=r"`Encoder.forward\(\)` ran .* not `model.module\(x\)`"):
+        model.module(x)  # around what fabric.setup returned
+    fabrics_own = r"mark it as a forward method with .*mark_forward_method\('encode'\)"
+    with pytest.raises(RuntimeError, match=fabrics_own), fabric.autocast():
+        model.encode(x)
+    assert model.module.embed(x.to(plugin.half_dtype)).dtype == plugin.half_dtype  # its own dtype: no autocast needed
+    with torch.autocast("cpu", dtype=plugin.half_dtype):
+        assert model.module.encode(x).shape == (8, 32)  # the user's own autocast
+    model.mark_forward_method("encode")
+    assert model.encode(x).dtype == torch.float32
+    plugin.restore()
+    assert model.module.encode(x).dtype == torch.float32  # an fp32 model again: nothing to check
+
+
 def test_the_module_fabric_runs_keeps_names_attributes_checkpoints_and_compile(tmp_path):
     """What ``fabric.setup`` runs wraps the user's module; nothing else may notice: ``model.module``, attribute reads
     and writes, ``state_dict`` names (also of ``fabric.save``/``fabric.load``), and ``torch.compile``'s re-application
@@ -458,7 +487,7 @@ def test_ddp_resume_needs_no_extra_call_and_a_marked_method_runs_under_autocast(
         assert rank["resumed"] == rank["straight"][3:]
         assert rank["warnings"] == []
         assert rank["state_dtypes"] == ["torch.float32"]
-        assert "must have the same dtype" in rank["unmarked"]  # unmarked: outside autocast, as before and on one device
+        assert "model.mark_forward_method('encode')" in rank["unmarked"]  # unmarked: the fix, as on one device
         assert rank["inner_dtypes"] == ["torch.float16"]
         assert rank["encoded_dtype"] == "torch.float32"
         assert rank["encoded_equal"]
@@ -962,8 +991,7 @@ def test_weights_edited_in_place_reach_the_masters():
 
 def test_sharded_strategies_and_other_optimizer_objects_are_refused():
     plugin = MPTPrecision("fp16")
-    plugin.convert_module(mlp())
-    module = plugin._module
+    module = plugin.convert_module(mlp()).module
     module[0].weight = nn.Parameter(module[0].weight.detach().clone())  # what a sharding strategy does to parameters
     with pytest.raises(ValueError, match="DDP family"), plugin.forward_context():
         pass
@@ -1063,3 +1091,36 @@ def test_litgpt_example_under_fsdp2_on_two_processes(tmp_path):
     names = set(acc.Tags()["scalars"])
     assert {"mpt/loss_scale", "mpt/grad_zero_fraction", "mpt/scale_headroom", "train_loss"} <= names
     assert len(acc.Scalars("mpt/loss_scale")) == 40
+
+
+def test_a_16_mixed_checkpoint_with_its_precision_resumes_at_its_gradscalers_scale(tmp_path):
+    """Fabric saves a precision plugin's state when it is an entry of ``fabric.save``'s state. A loop under Fabric's
+    "16-mixed" (a real GradScaler) saved with ``"precision": fabric.strategy.precision`` and loaded into
+    ``MPTPrecision("fp16")`` under the same entry: the GradScaler's scale and growth tracker are taken over, and the
+    resumed loop does not skip its first steps."""
+
+    data = batches(20)
+
+    def loop(fabric: L.Fabric, steps: range, path: Optional[Path] = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp()
+        model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+        if path is not None:
+            fabric.load(path, {"model": model, "optimizer": opt, "precision": fabric.strategy.precision})
+        for x, y in (data[i] for i in steps):
+            fabric.backward(F.mse_loss(model(x), y) * 2.0**14)  # overflows fp16 at a scale of 2**16
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    amp = fabrics_own_mixed("fp16")
+    model, opt = loop(amp, range(16))
+    saved = amp.strategy.precision.scaler.state_dict()
+    assert saved["scale"] < 2.0**16  # it backed off
+    assert saved["_growth_tracker"] > 0  # then stepped at that scale
+    amp.save(tmp_path / "amp.pt", {"model": model, "optimizer": opt, "precision": amp.strategy.precision})
+
+    plugin = MPTPrecision("fp16")
+    loop(fabric_with(plugin), range(16, 20), tmp_path / "amp.pt")
+    assert plugin.history[0].scale == saved["scale"]
+    assert plugin.skipped_steps == 0  # without the saved scale it would start at 2**16 and skip these steps
+    assert plugin.scaler.growth_tracker == saved["_growth_tracker"] + 4

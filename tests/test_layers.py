@@ -3,8 +3,9 @@
 - ``core/``: torch only; nothing from Lightning, nothing of ours above it.
 - ``diagnostics/``: torch, torchmetrics and TensorBoard; nothing from Lightning, nothing of ours above it (it may use
   ``core/``).
-- The two front-ends never import each other: the Trainer's (``precision.py``, ``callbacks/``, ``_averaging.py``) and
-  Fabric's (``fabric/``). What both need lives below them (``_plugin.py``, ``core/``, ``diagnostics/``).
+- The two front-ends never import each other: the Trainer's (``precision.py``, ``callbacks/``, ``_averaging.py``,
+  ``_retries.py``) and Fabric's (``fabric/``). What both need lives below them (``_plugin.py``, ``core/``,
+  ``diagnostics/``).
 
 Imports are read from the source (every ``import``, also inside functions and under ``TYPE_CHECKING``), so a lazy
 import cannot hide a wrong direction. Docstrings are not code and are not read.
@@ -19,11 +20,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mpt"
 
-TRAINER = ("lightning_mpt.precision", "lightning_mpt.callbacks", "lightning_mpt._averaging")
+TRAINER = ("lightning_mpt.precision", "lightning_mpt.callbacks", "lightning_mpt._averaging", "lightning_mpt._retries")
 FABRIC = ("lightning_mpt.fabric",)
 BELOW_ADAPTERS = (
     "lightning_mpt._plugin",
     "lightning_mpt._fp8_plugin",
+    "lightning_mpt._gradscaler",
+    "lightning_mpt._pretrained",
     "lightning_mpt.report",
     "lightning_mpt.report_events",
     "lightning_mpt.report_plots",
@@ -37,9 +40,12 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "diagnostics/": ("lightning", *TRAINER, *FABRIC, *BELOW_ADAPTERS),
     "_plugin.py": ("lightning.pytorch", "lightning.fabric.fabric", *TRAINER, *FABRIC),
     "_fp8_plugin.py": ("lightning", *TRAINER, *FABRIC),
+    "_gradscaler.py": ("lightning.pytorch", "lightning.fabric.fabric", *TRAINER, *FABRIC),
+    "_pretrained.py": ("lightning", *TRAINER, *FABRIC),
     "precision.py": FABRIC,
     "callbacks/": FABRIC,
     "_averaging.py": FABRIC,
+    "_retries.py": FABRIC,
     "fabric/": ("lightning.pytorch", *TRAINER),
     "report.py": ("lightning", *TRAINER, *FABRIC),
     "report_events.py": ("lightning", *TRAINER, *FABRIC),

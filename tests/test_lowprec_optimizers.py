@@ -315,3 +315,86 @@ def test_torchao_low_bit_adam_steps_in_chunks_as_one_whole_step() -> None:
     for name in whole_state:
         assert_state_equal(chunked_state[name], whole_state[name], name)
     torchao_state(trainer.optimizers[0], chunked.net[0].weight, chunked_state["net.0.weight"])
+
+
+class Forwards(L.Callback):
+    """The half weights each forward sees, and the masters they were rounded from (and the last step's masters)."""
+
+    def __init__(self) -> None:
+        self.halves: list[dict[str, Tensor]] = []
+        self.masters: list[dict[str, Tensor]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.halves.append({n: p.detach().clone() for n, p in module.named_parameters()})
+        self.on_train_end(trainer, module)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        plugin = trainer.precision_plugin
+        self.masters.append({n: plugin.master_of(p).detach().clone() for n, p in module.named_parameters()})
+
+
+def ties(master: Tensor) -> Tensor:
+    """Where rounding ``master`` to bf16 ties away from zero differs from torch's ties to even: low 16 bits of 0x8000
+    under an even top half."""
+    bits = master.view(torch.int32)
+    return ((bits & 0xFFFF) == 0x8000) & ((bits >> 16) & 1 == 0)
+
+
+def remainder_run_against_plain(
+    make: Callable[[Any], torch.optim.Optimizer], chunked: bool, init: Callable[[Net], None]
+) -> tuple[Forwards, Forwards]:
+    runs = []
+    for remainders in (False, True):
+        torch.manual_seed(0)
+        model = Net(make)
+        with torch.no_grad():
+            init(model)
+        forwards = Forwards()
+        plugin = MPTPrecision("bf16", master_remainders=remainders, chunked_step=chunked and 2 * WIDTH * WIDTH)
+        trainer = quiet_trainer(max_epochs=EPOCHS, plugins=[plugin], callbacks=[forwards])
+        with torch.compiler.set_stance("force_eager"):
+            trainer.fit(model, data())
+        runs.append(forwards)
+    return runs[0], runs[1]
+
+
+def untie(model: Net) -> None:
+    """Move every initial weight that is a tie one fp32 step away from it."""
+    for p in model.parameters():
+        bits = p.view(torch.int32)
+        bits[(bits & 0xFFFF) == 0x8000] += 1
+
+
+def plant_tie(model: Net) -> None:
+    """Set one weight to a tie: (1 + 2**-8) / 32 lies halfway between two bf16 values, the lower one even."""
+    model.net[0].weight[0, 0] = (1 + 2.0**-8) / 32
+
+
+@pytest.mark.parametrize("init", [untie, plant_tie])
+@pytest.mark.parametrize(
+    ("make", "chunked"),
+    [(lambda params: torch.optim.AdamW(params, lr=1e-2), False), (torchao_adamw(8), False), (torchao_adamw(8), True)],
+    ids=["torch-AdamW", "torchao-AdamW8bit", "torchao-AdamW8bit-chunked"],
+)
+def test_master_remainders_change_a_run_through_ties_only(
+    make: Callable[[Any], torch.optim.Optimizer], chunked: bool, init: Callable[[Net], None]
+) -> None:
+    """``master_remainders=True`` rounds the half weights ties away from zero, torch's cast ties to even: the two
+    differ exactly where a master's low 16 bits are 0x8000 under an even top half. Whatever the optimizer, a remainder
+    run's masters equal a plain run's, bitwise, up to the first forward whose half weights differ (to the end when
+    there is none), and those weights differ exactly at such ties; from then on the forwards differ, and so can the
+    trajectories. torch's default ``nn.Linear`` initialisation (``uniform_``, 24 random bits) makes about 15 weights
+    in 65,536 ties, against 1 for values with random low bits: one run moves them off, the other plants one."""
+    plain, remainders = remainder_run_against_plain(make, chunked, init)
+    steps = len(plain.halves)
+    differ = [{n: plain.halves[s][n] != remainders.halves[s][n] for n in plain.halves[s]} for s in range(steps)]
+    first = next((s for s in range(steps) if any(d.any() for d in differ[s].values())), None)
+    for s in range(steps + 1 if first is None else first + 1):  # the same masters until then
+        for n in plain.masters[s]:
+            assert torch.equal(plain.masters[s][n], remainders.masters[s][n]), (n, s)
+    if init is plant_tie:
+        assert first == 0
+    if first is not None:
+        for n, master in plain.masters[first].items():
+            half = plain.halves[first][n].dtype == torch.bfloat16  # LayerNorm's parameters are fp32 in both runs
+            assert torch.equal(differ[first][n], ties(master) if half else torch.zeros_like(differ[first][n])), n

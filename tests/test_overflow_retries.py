@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from models import InjectInf, SmallCNN, classification_images, quiet_trainer, regression_data
 from torch import nn
@@ -124,3 +125,49 @@ def test_bad_retries_are_refused(kwargs: dict[str, Any], match: str) -> None:
 def test_retries_with_gradient_accumulation_are_refused() -> None:
     with pytest.raises(MisconfigurationException, match="accumulate_grad_batches=2"):
         _fit(Loud(), 2.0**4, retries=1, accumulate_grad_batches=2)
+
+
+class Logged(Loud):
+    """``Loud`` that logs per-epoch values from ``training_step``: a tensor mean, the loss, and torchmetrics objects
+    (one logged, one only updated), so that a try's logging can be told from the last try's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tries_seen = torchmetrics.SumMetric()  # updated, never logged: its own state counts the tries
+        self.batches_seen = torchmetrics.SumMetric()  # updated and logged as an object
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("batch_idx", float(batch_idx), on_epoch=True)  # and on_step, Lightning's default here
+        self.log("loss", loss, on_epoch=True, on_step=False)
+        self.log("max_idx", float(batch_idx), on_epoch=True, on_step=False, reduce_fx="max")
+        self.log("sum_idx", float(batch_idx), on_epoch=True, on_step=False, reduce_fx="sum")
+        self.tries_seen.update(1.0)
+        self.batches_seen.update(1.0)
+        self.log("batches", self.batches_seen, on_epoch=True, on_step=False)
+        return loss
+
+
+class StepLosses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_epoch_logging_counts_each_batch_once_its_last_try() -> None:
+    torch.manual_seed(0)
+    losses = StepLosses()
+    model, plugin = _fit(Logged(), 2.0**16, retries=20, callbacks=[losses])
+    assert plugin.skipped_steps > 0
+    assert model.calls > STEPS
+    logged = model.trainer.callback_metrics
+    assert float(logged["batch_idx_epoch"]) == pytest.approx(1.5)  # (0 + 1 + 2 + 3) / 4, each batch once
+    assert float(logged["batch_idx_step"]) == 3.0
+    assert float(logged["max_idx"]) == 3.0
+    assert float(logged["sum_idx"]) == 6.0
+    assert float(logged["loss"]) == pytest.approx(sum(losses.losses) / STEPS, rel=1e-5)  # the losses stepped
+    assert float(logged["batches"]) == STEPS  # a logged torchmetrics object counted each batch once
+    # the module's metrics are rolled back too, logged or not (Lightning resets the logged one at the epoch's end)
+    assert float(model.tries_seen.compute()) == STEPS

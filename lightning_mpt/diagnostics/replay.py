@@ -130,7 +130,7 @@ class _LossModule(nn.Module):
 def restored_state(module: nn.Module) -> Iterator[None]:
     """Restore buffers (BatchNorm running statistics) and torchmetrics states that code run inside may update."""
     buffers = [(m, name, b, b.clone()) for m in module.modules() for name, b in m.named_buffers(recurse=False)]
-    metrics = [(m, _metric_state(m)) for m in module.modules() if isinstance(m, Metric)]
+    metrics = [(m, metric_state(m)) for m in module.modules() if isinstance(m, Metric)]
     try:
         yield
     finally:
@@ -144,7 +144,26 @@ def restored_state(module: nn.Module) -> Iterator[None]:
                 setattr(m, k, v)
 
 
-def _metric_state(m: Metric) -> dict[str, Any]:
+def metric_state(m: Metric) -> dict[str, Any]:
+    """A copy of everything ``update``, ``forward`` and ``compute`` change in the torchmetrics ``Metric`` ``m``: its
+    declared states (tensors cloned, lists copied) and the caches outside them; ``setattr`` each item to restore it.
+
+    Args:
+        m: the metric.
+
+    Example:
+        ```python
+        import torch
+        from torchmetrics import SumMetric
+
+        total = SumMetric()
+        saved = metric_state(total)
+        total.update(torch.tensor(3.0))
+        for name, value in saved.items():
+            setattr(total, name, value)
+        assert float(total.compute()) == 0.0
+        ```
+    """
     state = {k: (v.clone() if isinstance(v, Tensor) else list(v)) for k, v in m.metric_state.items()}
     state.update(metric_private_state(m))
     return state

@@ -13,24 +13,16 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mpt._plugin import (
-    MixedPrecisionPlugin,
-    check_sharded,
-    lbfgs_unsupported,
-    supported_strategies,
-    unwrap,
-)
-from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, distributed, is_fully_sharded
+from lightning_mpt._plugin import check_sharded, lbfgs_unsupported
+from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
 from lightning_mpt.core.masters.chunked import ChunkedGrads
-from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
-from lightning_mpt.fabric._module import ForwardModule
-from lightning_mpt.fabric._optimizers import LoadGuards, warn_if_rounded
+from lightning_mpt.fabric._setup import ModuleHooks, ModuleSetUp
 
 __all__ = ["MPTPrecision"]
 
 
-class MPTPrecision(MixedPrecisionPlugin, Precision):
+class MPTPrecision(ModuleHooks, Precision):
     """Fabric precision plugin: half-precision model, fp32 master weights, dynamic loss scaling, skipped overflows.
 
     The same step as the Trainer plugin (:class:`lightning_mpt.MPTPrecision`); :mod:`lightning_mpt.fabric` says what
@@ -115,127 +107,9 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         if sharded:
             self._refuse_under_fsdp2()
         self.sharded = sharded
-        self._module: Optional[Module] = None  # the converted module
-        self._forward: Optional[ForwardModule] = None  # what convert_module returned for it (one device, DDP)
-        self._params: set[Tensor] = set()  # its parameters at conversion, to notice a strategy that replaced them
-        self._ready = False  # masters moved next to their parameters (Fabric moves the module after converting it)
-        self._synced = True  # masters made equal across processes (at the first backward, where all ranks meet)
-        self._adopted: list[Optimizer] = []
-        # optimizer state loads into the masters also before the first step, which adopts the optimizer
-        self._loads = LoadGuards(self._engine.masters, self._dtype, self._ensure_ready)
-
-    # ------------------------------------------------------------------ model set-up and teardown
-    def convert_module(self, module: Module) -> Module:
-        """Cast ``module`` to the half format in place (``fabric.setup`` calls it first); its fp32 tensors become the
-        masters. With ``sharded=True`` the module stays fp32 for FSDP2 to shard; the plugin takes its shards as the
-        masters at the first forward.
-
-        Returns:
-            With ``sharded=True`` the module itself (the strategy's ``parallelize_fn`` receives it). Otherwise a thin
-            wrapper whose ``forward`` calls it: Fabric then sends methods marked with ``mark_forward_method`` through
-            the plugin's autocast on one device too, as it does under DDP. The wrapper's ``state_dict``,
-            ``load_state_dict`` and attributes are the module's.
-        """
-        if self._module is not None and (module is self._module or module is self._forward):
-            return self._forward or self._module
-        if self._module is not None:
-            raise ValueError(
-                f"MPTPrecision holds the fp32 masters of one module and already converted a "
-                f"{type(self._module).__name__}; `fabric.setup` was called with a second one "
-                f"({type(module).__name__}). "
-                "Set the models up as one module (for example an nn.ModuleDict with both) or call "
-                "`fabric.strategy.precision.restore()` when done with the first."
-            )
-        self._ready = False
-        if self.sharded:  # the strategy shards it next: nothing to cast, no replica to make equal across processes
-            module = self.convert_fp8(module, fsdp=True)  # before the strategy's parallelize_fn shards it
-            self._module = module
-            self._engine.masters = self._sharded_masters("fabric")
-            self._params, self._synced = set(), True
-            return module
-        module = self._convert_fp8(module)  # Float8Linear keeps the Linear's parameters: they get masters next
-        self._module = module
-        self._engine.convert(module)
-        self._params = set(module.parameters())
-        self._synced = not distributed()
-        if self.master_weights:
-            self._loads.watch(module)
-        self._forward = ForwardModule(module)
-        return self._forward
-
-    def adopt(self, *optimizers: Optimizer) -> None:
-        """Take charge of ``optimizers`` now rather than at their first step (optional).
-
-        Optimizer state loads into the fp32 masters exactly without it: the plugin finds the optimizers holding the
-        module's parameters at ``fabric.setup`` and when the model's or its own entry of the state loads. Only an
-        optimizer made after set-up and restored by ``fabric.load`` before both entries needs it before the load.
-        ``fabric.setup``'s wrapped optimizers are accepted.
-
-        Example:
-            ```python
-            import lightning as L
-            from torch import nn
-            from lightning_mpt.fabric import MPTPrecision
-
-            mpt = MPTPrecision("bf16")
-            fabric = L.Fabric(accelerator="cpu", plugins=[mpt])
-            model = nn.Linear(4, 4)
-            model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters()))
-            mpt.adopt(optimizer)  # then fabric.load(path, {"model": model, "optimizer": optimizer, "mpt": mpt})
-            mpt.restore()
-            ```
-        """
-        for optimizer in optimizers:
-            self._checked(optimizer)
-
-    def setup_schedulers(self, *schedulers: Any) -> None:
-        """Hand the plugin the LR schedulers, which Fabric does not: with ``skipped_steps_advance_schedulers=False`` a
-        scheduler's ``step()`` then does nothing when every step of its optimizer since its last ``step()`` was
-        skipped (with ``True`` nothing changes). Call it after ``fabric.setup``; it adopts their optimizers.
-
-        Args:
-            schedulers: torch LR schedulers of optimizers this plugin steps (made with the raw or the set-up ones).
-
-        Example:
-            ```python
-            import lightning as L
-            from torch import nn
-            from lightning_mpt.fabric import MPTPrecision
-
-            mpt = MPTPrecision("fp16", skipped_steps_advance_schedulers=False)
-            fabric = L.Fabric(accelerator="cpu", plugins=[mpt])
-            model = nn.Linear(4, 4)
-            model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
-            mpt.setup_schedulers(scheduler)  # scheduler.step() after a skipped optimizer.step() does nothing
-            mpt.restore()
-            ```
-        """
-        if self.skipped_steps_advance_schedulers:
-            return
-        for scheduler in schedulers:
-            optimizer = getattr(scheduler, "optimizer", None)
-            if isinstance(unwrap(optimizer), Optimizer):
-                self._checked(optimizer)  # adopted now, so that its index is known
-        self._gate_schedulers(list(schedulers))
-
-    def restore(self) -> None:
-        """End mixed precision for the module: it gets fp32 parameters equal to the masters (edits of its half weights
-        since the last step adopted first), the optimizers step it directly again, and the plugin forgets it.
-
-        Fabric has no end-of-training hook, so call it when training is done (``fabric.strategy.precision.restore()``);
-        Fabric's ``strategy.teardown()`` calls it too. The plugin's counters and scaler are kept.
-        """
-        self._engine.restore()
-        self._loads.close()
-        self._module, self._forward = None, None
-        self._params = set()
-        self._adopted.clear()
-        self._ready, self._synced = False, True
-
-    def teardown(self) -> None:
-        """Fabric's teardown hook (``strategy.teardown()``): :meth:`restore`."""
-        self.restore()
+        # the converted module and its set-up, which Fabric lets the plugin finish only at the first forward, backward
+        # or step (fabric/_setup.py)
+        self._setup = ModuleSetUp(self._engine, self._dtype, sharded, self._found_device)
 
     # ------------------------------------------------------------------ forward and backward
     def forward_context(self) -> Any:
@@ -245,9 +119,9 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
 
     @contextmanager
     def _forward_context(self) -> Generator[None, None, None]:
-        self._ensure_ready()
+        self._setup.ensure_ready()
         self._engine.release_gradients(drop=False)  # the last step's fp32 gradients are not needed past this point
-        with torch.autocast(self.device, dtype=self._dtype, cache_enabled=False):
+        with self._setup.unmarked.inside(), torch.autocast(self.device, dtype=self._dtype, cache_enabled=False):
             yield
 
     def convert_output(self, data: Any) -> Any:
@@ -258,11 +132,8 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
 
     def backward(self, tensor: Tensor, model: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """Backpropagate ``tensor`` multiplied by the loss scale (``fabric.backward(loss)``)."""
-        self._ensure_ready()
-        self._loads.stop()
-        if not self._synced:
-            self._sync_masters()
-        self._engine.scale_loss(tensor, sync=self._syncs(model)).backward(*args, **kwargs)
+        sync = self._setup.before_backward(model, self.accumulate_fp32)
+        self._engine.scale_loss(tensor, sync=sync).backward(*args, **kwargs)
 
     # ------------------------------------------------------------------ the optimizer step
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -274,7 +145,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         nothing to do, and the step is skipped (which drops them). :attr:`last_step` tells afterwards, with the names
         of the parameters at fault.
         """
-        optimizer = self._checked(optimizer)
+        optimizer = self._setup.adopt(optimizer)
         pending = self._engine.decide(optimizer)
         if isinstance(pending.grads, ChunkedGrads):
             raise ValueError(
@@ -307,7 +178,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         """
         if (max_norm is None) == (clip_val is None):
             raise ValueError("MPTPrecision.clip_gradients: give exactly one of max_norm and clip_val.")
-        optimizer = self._checked(optimizer)
+        optimizer = self._setup.adopt(optimizer)
         grads = self._engine.decide(optimizer).grads
         if not isinstance(grads, ChunkedGrads):
             self.unscale_gradients(optimizer)
@@ -327,7 +198,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
         A ``closure`` (``optimizer.step(closure)``) is run first and its gradients decided, so an optimizer that
         ignores it still steps the right gradients; LBFGS, which re-evaluates it, works without a scaler (bf16).
         """
-        optimizer = self._checked(optimizer)
+        optimizer = self._setup.adopt(optimizer)
         closure: Optional[Callable[[], Any]] = kwargs.pop("closure", None)
         if closure is None:
             return self._engine.step(optimizer, self._engine.decide(optimizer), **kwargs)
@@ -341,73 +212,21 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
         """The fp32 tensors that ``optimizer`` steps (what ``fabric.clip_gradients`` clips): masters of half
         parameters, fp32 parameters themselves."""
-        self._ensure_ready()
+        self._setup.ensure_ready()
         return super().main_params(optimizer)
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (``fabric.load`` calls it for the plugin's entry in the state; Fabric saves no
         precision state of its own, so put the plugin in ``fabric.save``'s state)."""
-        self._loads.scan()  # the optimizer's entry may come next
+        self._setup.loads.scan()  # the optimizer's entry may come next
         super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ internals
-    def _ensure_ready(self) -> None:
-        """Once after set-up: take FSDP2's shards as the masters (``sharded``), or refuse a strategy that replaced
-        the parameters and move the masters next to them."""
-        if self._ready or self._module is None:
-            return
-        if self.sharded:  # sharded by now: check how (a clear error for a module left unsharded), learn the names
-            self._engine.convert(self._module)
-            self._params = set(self._module.parameters())
-        params = list(self._module.parameters())
-        if any(p not in self._params for p in params):
-            raise ValueError(_replaced(self._forward or self._module, self._dtype))  # what the strategy got
-        if isinstance(self._engine.masters, CopyMasters):  # Fabric moves the module after converting it
-            self._engine.masters.follow_devices()
-        if params:
-            self.device = params[0].device.type
-            self._check_fp8_device(params[0].device)
-        self._ready = True
-
-    def _syncs(self, model: Optional[Module]) -> bool:
-        """Whether this backward reduces gradients across processes (``False`` inside ``fabric.no_backward_sync``):
-        with ``accumulate_fp32`` the fp32 sum goes back to the half format for DDP's reducer there."""
-        if not self.accumulate_fp32 or self.sharded or not distributed():
-            return True
-        sync = getattr(model, "require_backward_grad_sync", None)
-        if sync is None:
-            raise ValueError(
-                "MPTPrecision(accumulate_fp32=True) under DDP needs the model in each backward, to see whether it "
-                "synchronises gradients (fabric.no_backward_sync): call fabric.backward(loss, model=model)."
-            )
-        return bool(sync)
-
-    def _sync_masters(self) -> None:
-        """Make every process hold the masters of rank 0. DDP made the half weights equal at set-up (rank 0's), so the
-        half weights are left alone: a forward's graph may hold them."""
-        if isinstance(self._engine.masters, CopyMasters):
-            self._engine.masters.broadcast(refresh=False)
-        self._synced = True
-
-    def _checked(self, optimizer: Any) -> Optimizer:
-        raw: Optimizer = unwrap(optimizer)
-        self._ensure_ready()
-        self._adopt(raw)
-        return raw
-
-    def _adopt(self, optimizer: Any) -> None:
-        if any(optimizer is known for known in self._adopted):
-            return
-        if not isinstance(optimizer, Optimizer):
-            raise ValueError(
-                f"MPTPrecision steps torch optimizers; the strategy handed it a {type(optimizer).__name__}. "
-                f"{supported_strategies('fabric')}"
-            )
-        warn_if_rounded(optimizer, self._engine.masters, self._dtype)
-        self._engine.adopt(optimizer)
-        self._adopted.append(optimizer)
-        self._loads.release(optimizer)
+    def _found_device(self, device: torch.device) -> None:
+        """The set-up completed with the module's parameters on ``device``: autocast for its type."""
+        self.device = device.type
+        self._check_fp8_device(device)
 
 
 def _check_sharded(sharded: Any, master_weights: bool) -> None:
@@ -415,19 +234,3 @@ def _check_sharded(sharded: Any, master_weights: bool) -> None:
         raise TypeError(f"MPTPrecision(sharded={sharded!r}): expected a bool (True or False).")
     if sharded:
         check_sharded(master_weights, "sharded=True, ")
-
-
-def _replaced(module: Module, dtype: torch.dtype) -> str:
-    """Why the module's parameters are not those the plugin converted, and what to do."""
-    if is_fully_sharded(module):
-        return (
-            f"MPTPrecision: the module was sharded with FSDP2 (fully_shard) after the plugin had cast it to {dtype}, "
-            "so FSDP2 holds half-precision shards and the plugin's fp32 masters no longer match. Under "
-            "ModelParallelStrategy create the plugin with MPTPrecision(..., sharded=True): set-up then leaves the "
-            "model fp32 and FSDP2's fp32 shards are the masters; pass mp_policy=plugin.mp_policy to fully_shard."
-        )
-    return (
-        "MPTPrecision: the module's parameters were replaced after it was converted, by a sharding strategy "
-        "(or by code that swapped them after fabric.setup); its fp32 masters no longer match. "
-        + supported_strategies("fabric")
-    )
