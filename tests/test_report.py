@@ -26,7 +26,7 @@ from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, 
 from lightning_mpt.cli import main
 from lightning_mpt.core.numerics import BF16, FP16, FloatFormat, exponent_bins, exponent_histograms
 from lightning_mpt.report import ExponentHistogram, build_report, format_text
-from lightning_mpt.report_plots import write_plots
+from lightning_mpt.report.plots import write_plots
 
 STEPS = 10
 HIST_EVERY = 3  # exponent histograms at steps 0, 3, 6, 9: the last one is an overflow step
@@ -322,7 +322,7 @@ def test_plots_skipped_without_matplotlib(
     out = capsys.readouterr().out
     assert "skipped steps" in out
     note = "plots skipped: matplotlib is not installed (pip install 'lightning-mpt[plots]')"
-    assert out.rstrip().splitlines()[-1] == note
+    assert out.rstrip().splitlines()[-4] == note  # then the dashboard's command and address
     assert not (tmp_path / "plots").exists()
 
 
@@ -376,7 +376,7 @@ def test_only_damaged_event_files_are_an_error_naming_each(tmp_path: Path, capsy
     (tmp_path / "x" / "events.out.tfevents.1.host").write_bytes(b"\x00" * 5)
     assert main(["report", str(tmp_path)]) == 1
     error = capsys.readouterr().err
-    assert error.startswith(f"lightning-mpt report: error: {tmp_path}: nothing to report: unreadable event files:\n")
+    assert error.startswith(f"lightning-mpt report: error: {tmp_path}: nothing to report: unreadable:\n")
     assert (
         "  x/events.out.tfevents.1.host: truncated: it ends at byte 5, inside record 1 (from byte 0); the writing "
         "process stopped mid-record, or the file was cut short; nothing in it can be read"

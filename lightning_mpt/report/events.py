@@ -1,36 +1,34 @@
 """The event files of a TensorBoard log directory, read for ``lightning-mpt report``: each run's ``mpt/`` scalars, its
-records and its last exponent histograms, and the event files that are damaged.
+records and its last exponent histograms, and what could not be read.
 
-The event files are read with TensorBoard's own reader (``EventMultiplexer``, every scalar kept). Every directory
-under the log directory that holds event files is a run. TensorBoard's reader stops quietly at a damaged record: each
-event file's framing is checked first (:func:`check_event_file`).
+The runs are the folders :func:`~lightning_mpt.report.folders.find_runs` finds (each real folder once, links
+followed without loops). Each run's event files are read with TensorBoard's own reader (``EventAccumulator``, every
+scalar kept). TensorBoard's reader stops quietly at a damaged record: each event file's framing is checked first
+(:func:`check_event_file`). Records are checked before use (:mod:`lightning_mpt.report.records`).
+
+Example:
+    ```python
+    runs, ignored = load_runs("runs")
+    print(runs[0].name, runs[0].series("mpt/loss_scale")[:3], ignored)
+    ```
 """
 
 from __future__ import annotations
 
 import struct
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from tensorboard.backend.event_processing import event_accumulator
-from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
 from lightning_mpt.diagnostics import exponent_axis, tags
-from lightning_mpt.diagnostics.exponent_axis import FORMATS, FloatFormat
-from lightning_mpt.diagnostics.sink import decode_record
+from lightning_mpt.report.data import ExponentHistogram, ReportError, RunData
+from lightning_mpt.report.folders import RunFolders, find_runs, is_event_file
+from lightning_mpt.report.records import check_record, decode
 
-__all__ = [
-    "ExponentHistogram",
-    "ReportError",
-    "RunData",
-    "check_event_file",
-    "decode_exponent_histogram",
-    "load_runs",
-    "unreadable_files",
-]
+__all__ = ["check_event_file", "decode_exponent_histogram", "load_runs", "read_runs", "unreadable_files"]
 
 _SIZE_GUIDANCE = {
     event_accumulator.SCALARS: 0,  # 0: keep every point
@@ -41,59 +39,11 @@ _SIZE_GUIDANCE = {
     event_accumulator.AUDIO: 1,
 }
 
-Series = list[tuple[int, float]]
-Records = list[tuple[int, dict[str, Any]]]
-
-
-class ReportError(ValueError):
-    """The log directory cannot be reported on; the message says what was wrong and what is expected."""
-
-
-@dataclass(frozen=True)
-class ExponentHistogram:
-    """The exponent histogram of stored half gradients (``mpt/grad_exponent/*``) at one step, summed over the
-    parameters logged at that step: ``counts[e]`` values with ``floor(log2|g * scale|) == e``."""
-
-    step: int
-    format: str
-    zero: float
-    nonfinite: float
-    counts: dict[int, float]
-    parameters: list[str]
-
-    @property
-    def fmt(self) -> FloatFormat:
-        return next(f for f in FORMATS if f.name == self.format)
-
-
-@dataclass
-class RunData:
-    """What was read from one run's event files: its ``mpt/`` scalars, its records (``mpt/data/*``, decoded JSON
-    objects in step order) and the last exponent histograms."""
-
-    name: str  # path relative to the log directory ("." for the log directory itself)
-    path: Path
-    scalars: dict[str, Series]
-    records: dict[str, Records]
-    exponents: Optional[ExponentHistogram]
-
-    def series(self, tag: str) -> Series:
-        return self.scalars.get(tag, [])
-
-    def record_list(self, tag: str) -> list[dict[str, Any]]:
-        """The records of ``tag`` (e.g. :data:`lightning_mpt.diagnostics.tags.SKIP_RECORD`), in step order."""
-        return [r for _, r in self.records.get(tag, [])]
-
-    def per_parameter(self, tag: str) -> dict[str, Series]:
-        """``{parameter name: series}`` of the tags ``<tag>/<parameter name>``."""
-        prefix = tag + "/"
-        return {t[len(prefix) :]: s for t, s in self.scalars.items() if t.startswith(prefix)}
-
 
 def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
     """Read every run under ``logdir``: the runs with ``mpt/`` tags, and the names of the runs without.
 
-    Raises :class:`ReportError` for a missing directory or one without event files.
+    Raises :class:`~lightning_mpt.report.data.ReportError` for a missing directory or one without event files.
 
     Example:
         ```python
@@ -102,27 +52,34 @@ def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
         flush = runs[0].per_parameter("mpt/grad_underflow_fraction")   # {param name: [(step, fraction), ...]}
         ```
     """
-    root = Path(logdir)
-    if not root.exists():
+    return read_runs(find_runs(logdir))
+
+
+def read_runs(found: RunFolders) -> tuple[list[RunData], list[str]]:
+    """Read the runs ``found`` (:func:`~lightning_mpt.report.folders.find_runs`): those with ``mpt/`` tags, and the
+    names of those without. A run whose event files the reader cannot open goes to ``found.unreadable``.
+
+    Raises :class:`~lightning_mpt.report.data.ReportError` when no folder holds event files.
+    """
+    if not found.runs and not found.unreadable:
         raise ReportError(
-            f"{root}: no such directory; expected a TensorBoard log directory (a TensorBoardLogger's "
-            "save_dir, or one run's version_N folder)."
-        )
-    if not root.is_dir():
-        raise ReportError(f"{root}: not a directory; expected a TensorBoard log directory, not a file.")
-    mux = EventMultiplexer(size_guidance=_SIZE_GUIDANCE).AddRunsFromDirectory(str(root))
-    mux.Reload()
-    names = sorted(mux.Runs())
-    if not names:
-        raise ReportError(
-            f"{root}: no TensorBoard event files (events.out.tfevents.*) in it or below it; expected the "
+            f"{found.root}: no TensorBoard event files (events.out.tfevents.*) in it or below it; expected the "
             "log directory of a run trained with a TensorBoardLogger."
         )
     runs, ignored = [], []
-    for name in names:
-        run = _read_run(name, root / name, mux.GetAccumulator(name))
+    for name, path in found.runs.items():
+        try:
+            acc = event_accumulator.EventAccumulator(str(path), size_guidance=_SIZE_GUIDANCE)
+            acc.Reload()
+        except OSError as error:  # an event file that cannot be opened (permissions): the check names the file
+            files = unreadable_files(found.root, [name])[0]
+            found.unreadable.update(files or {name: f"its event files cannot be read ({error})"})
+            continue
+        run = _read_run(name, path, acc)
         if run.scalars or run.records or run.exponents is not None:
             runs.append(run)
+        elif run.unreadable:  # records only, none of them readable: nothing of it to report
+            found.unreadable[name] = f"its records cannot be read, and it logged no scalars: {run.unreadable}"
         else:
             ignored.append(name)
     return runs, ignored
@@ -154,9 +111,13 @@ def check_event_file(path: Union[str, Path]) -> Optional[str]:
 
 def _check_frames(path: Path) -> tuple[Optional[str], int]:
     """:func:`check_event_file`'s answer and the number of whole records before the first damaged one."""
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+        f = open(path, "rb")  # noqa: SIM115  (closed below; an open that fails is an answer, not an error)
+    except OSError as error:
+        return f"it cannot be read ({error.strerror.lower() if error.strerror else type(error).__name__})", 0
     offset = index = 0
-    with open(path, "rb") as f:
+    with f:
         while offset < size:
             frame = f.read(_FRAME.size)
             length, checksum = _FRAME.unpack(frame) if len(frame) == _FRAME.size else (0, None)
@@ -183,15 +144,18 @@ def _check_frames(path: Path) -> tuple[Optional[str], int]:
 
 
 def unreadable_files(root: Path, runs: list[str]) -> tuple[dict[str, str], set[str]]:
-    """The event files of ``runs`` that are truncated or corrupt, ``{path relative to root: what is wrong}``, and the
-    runs of which nothing can be read (every event file damaged in its first record)."""
+    """The event files of ``runs`` that are truncated, corrupt or cannot be opened, ``{path relative to root: what is
+    wrong}``, and the runs of which nothing can be read (every event file damaged in its first record)."""
     found, lost = {}, set()
     for run in runs:
-        files = sorted(f for f in (root / run).iterdir() if "tfevents" in f.name and f.is_file())
+        try:
+            files = sorted(f for f in (root / run).iterdir() if is_event_file(f.name) and f.is_file())
+        except OSError:  # the folder went away or cannot be listed: find_runs names such folders
+            continue
         checked = {f: _check_frames(f) for f in files}
         for f, (what, _) in checked.items():
             if what is not None:
-                found[str(f.relative_to(root))] = what
+                found[(Path(run) / f.name).as_posix()] = what
         if files and all(what is not None and whole == 0 for what, whole in checked.values()):
             lost.add(run)
     return dict(sorted(found.items())), lost
@@ -206,14 +170,38 @@ def _read_run(name: str, path: Path, acc: event_accumulator.EventAccumulator) ->
         for t in found["scalars"]
         if t.startswith(tags.PREFIX)
     }
+    records, unreadable = _records(acc)
+    exponent_tags = [t for t in found["histograms"] if tags.parameter_of(tags.GRAD_EXPONENT, t)]
+    last = {t: acc.Histograms(t)[-1] for t in exponent_tags}
+    return RunData(name, path, scalars, records, _last_exponents(last), unreadable)
+
+
+def _records(
+    acc: event_accumulator.EventAccumulator,
+) -> tuple[dict[str, list[tuple[int, dict[str, Any]]]], Optional[str]]:
+    """The run's records by tag, or none and what is wrong with the first bad one (then the run is read from its
+    scalars alone: a summary half from records and half from guesses would be wrong without saying so)."""
     try:
         record_tags = sorted(acc.PluginTagToContent(tags.PLUGIN_NAME))  # the records: found by their plugin name
     except KeyError:  # no records in this run
-        record_tags = []
-    records = {t: [(e.step, decode_record(e.tensor_proto)) for e in acc.Tensors(t)] for t in record_tags}
-    exponent_tags = [t for t in found["histograms"] if tags.parameter_of(tags.GRAD_EXPONENT, t)]
-    last = {t: acc.Histograms(t)[-1] for t in exponent_tags}
-    return RunData(name, path, scalars, records, _last_exponents(last))
+        return {}, None
+    records: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    bad: list[str] = []
+    for tag in record_tags:
+        for event in acc.Tensors(tag):
+            try:
+                record = decode(event.tensor_proto)
+                what = check_record(tag, record)
+            except ValueError as error:
+                what = str(error)
+            if what is not None:
+                bad.append(f"{tag} at step {event.step}: {what}")
+            else:
+                records.setdefault(tag, []).append((event.step, record))
+    if not bad:
+        return records, None
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return {}, f"{bad[0]}{more}"
 
 
 def _last_exponents(last: dict[str, Any]) -> Optional[ExponentHistogram]:
