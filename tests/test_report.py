@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import shutil
 import statistics
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from models import InjectInf, TinyMLP, quiet_trainer, regression_data
-from tb_events import read_events, series, texts
+from tb_events import read_events, series, texts, write_record
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_mpt import DynamicLossScaler, MPTPrecision, NonFiniteGradientError
@@ -469,3 +472,120 @@ def test_a_stop_by_the_guard(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert [c.strip() for c in table_row(out, "stopped by the guard at step")] == ["4"]
     assert "  stopped at step 4 by NonFiniteGradientError: MPTPrecision stopped training: 2 optimizer steps" in out
+
+
+# -------------------------------------------------------------------------------------- bad folders and records
+def no_traceback(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``lightning-mpt`` with ``args`` in a process of its own (``kwargs`` for ``subprocess.run``); it must not print a
+    traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_mpt.cli", *args], capture_output=True, text=True, timeout=120, **kwargs
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def test_links_are_followed_once(runs: Runs, tmp_path: Path) -> None:
+    """Links back to a parent are not walked round (one run, not 41; two such links do not take minutes), and
+    ``latest -> version_0`` is the same run, named by its path without the link."""
+    logs = tmp_path / "logs"
+    shutil.copytree(runs.root / "a", logs / "a")
+    (logs / "a" / "version_0" / "up").symlink_to("../..", target_is_directory=True)
+    (logs / "a" / "up").symlink_to("..", target_is_directory=True)
+    (logs / "a" / "latest").symlink_to("version_0", target_is_directory=True)
+    start = time.monotonic()
+    report = build_report(logs)
+    assert time.monotonic() - start < 20
+    assert [r.run for r in report.runs] == ["a/version_0"]
+    assert report.unreadable == {}
+    # a link to a run kept elsewhere is followed
+    shutil.copytree(runs.root / "b", tmp_path / "elsewhere" / "b")
+    (logs / "b").symlink_to(tmp_path / "elsewhere" / "b", target_is_directory=True)
+    assert [r.run for r in build_report(logs).runs] == ["a/version_0", "b/version_0"]
+
+
+def test_a_broken_link_and_a_folder_named_like_an_event_file_are_no_error(runs: Runs, tmp_path: Path) -> None:
+    shutil.copytree(runs.root / "a", tmp_path / "a")
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
+    (tmp_path / "a" / "version_0" / "events.out.tfevents.0.folder").mkdir()  # a folder where a file is expected
+    proc = no_traceback(["report", str(tmp_path), "--no-plots"])
+    assert proc.returncode == 0
+    assert "lightning-mpt report: " in proc.stdout
+    assert f"  gone: a symbolic link to {tmp_path / 'missing'}, which does not exist" in proc.stdout
+    assert [r.run for r in build_report(tmp_path).runs] == ["a/version_0"]
+
+
+def without_dac_override() -> None:
+    """In a child process before it runs the report: drop the capabilities by which root reads any folder
+    (``CAP_DAC_OVERRIDE``, ``CAP_DAC_READ_SEARCH``) from the bounding set, so that folder modes hold for it too."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_folder_that_cannot_be_listed_is_named_and_the_rest_reported(runs: Runs, tmp_path: Path) -> None:
+    shutil.copytree(runs.root / "a", tmp_path / "a")
+    shutil.copytree(runs.root / "b", tmp_path / "locked" / "b")
+    (tmp_path / "locked").chmod(0o000)
+    drop = without_dac_override if os.geteuid() == 0 else None
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", f"import os; os.listdir({str(tmp_path / 'locked')!r})"],
+            capture_output=True,
+            preexec_fn=drop,
+            timeout=60,
+        )
+        if probe.returncode == 0:
+            pytest.skip("this process can list a folder of mode 000 (root with its capabilities)")
+        proc = no_traceback(["report", str(tmp_path), "--no-plots"], preexec_fn=drop)
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"lightning-mpt report: {tmp_path} (1 run)")
+    assert "  locked: the folder cannot be listed (permission denied)" in proc.stdout
+
+
+def good_and_bad(runs: Runs, root: Path, tag: str, payload: bytes) -> Path:
+    """Run ``a`` twice under ``root``: ``good``, and ``bad`` with one more record of ``tag`` holding ``payload``."""
+    shutil.copytree(runs.root / "a" / "version_0", root / "good")
+    shutil.copytree(runs.root / "a" / "version_0", root / "bad")
+    write_record(root / "bad", tag, payload, step=4)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("tag", "payload", "what"),
+    [
+        (
+            "mpt/data/skipped_step",
+            b'{"schema": 2, "step": 4, "params": ["net.0.weight"]}',
+            "schema 2; this lightning-mpt reads schema 1",
+        ),
+        ("mpt/data/skipped_step", b'{"schema": 1, "step": null, "params": []}', "step is null, expected an integer"),
+        ("mpt/data/skipped_step", b'[{"schema": 1, "step": 4}]', "a JSON array, expected an object"),
+        (
+            "mpt/data/overflow_summary",
+            b'{"schema": 1, "step": 10, "skipped_steps": 3, "params": ["net.3.weight"]}',
+            "params is a JSON array, expected an object of counts",
+        ),
+        ("mpt/data/run", b"not JSON {", "not JSON"),
+    ],
+)
+def test_a_record_of_another_schema_or_malformed_names_the_run_and_the_rest_is_reported(
+    runs: Runs, tmp_path: Path, tag: str, payload: bytes, what: str
+) -> None:
+    root = good_and_bad(runs, tmp_path, tag, payload)
+    proc = no_traceback(["report", str(root), "--no-plots", "--json"])
+    assert proc.returncode == 0
+    data = json.loads(proc.stdout)
+    good, bad = (next(r for r in data["runs"] if r["run"] == name) for name in ("good", "bad"))
+    assert (good["skipped_steps"], good["nonfinite_params"]) == (3, {"net.3.weight": 2, "net.0.bias": 1})
+    # the bad run's records are left out whole; its scalars still count the steps and the skips
+    assert (bad["steps"], bad["skipped_steps"], bad["first_overflow_step"]) == (STEPS, 3, 2)
+    assert bad["nonfinite_params"] == {}
+    assert data["unreadable"]["bad"].startswith(
+        f"its records are not read, the run is reported from its scalars: {tag} at step 4: {what}"
+    )
+    text = no_traceback(["report", str(root), "--no-plots"]).stdout
+    assert f"  bad: its records are not read, the run is reported from its scalars: {tag} at step 4: {what}" in text

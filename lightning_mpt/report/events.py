@@ -3,7 +3,7 @@ records and its last exponent histograms, and what could not be read.
 
 The runs are the folders :func:`~lightning_mpt.report.folders.find_runs` finds (each real folder once, links
 followed without loops). Each run's event files are read with TensorBoard's own reader (``EventAccumulator``, every
-scalar kept). TensorBoard's reader stops quietly at a damaged record: each event file's framing is checked first
+scalar kept), one file at a time in name order, so that a file that cannot be opened loses that file only. TensorBoard's reader stops quietly at a damaged record: each event file's framing is checked first
 (:func:`check_event_file`). Records are checked before use (:mod:`lightning_mpt.report.records`).
 
 Example:
@@ -57,7 +57,8 @@ def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
 
 def read_runs(found: RunFolders) -> tuple[list[RunData], list[str]]:
     """Read the runs ``found`` (:func:`~lightning_mpt.report.folders.find_runs`): those with ``mpt/`` tags, and the
-    names of those without. A run whose event files the reader cannot open goes to ``found.unreadable``.
+    names of those without. A run whose records are all unreadable and that has nothing else goes to
+    ``found.unreadable``.
 
     Raises :class:`~lightning_mpt.report.data.ReportError` when no folder holds event files.
     """
@@ -68,14 +69,8 @@ def read_runs(found: RunFolders) -> tuple[list[RunData], list[str]]:
         )
     runs, ignored = [], []
     for name, path in found.runs.items():
-        try:
-            acc = event_accumulator.EventAccumulator(str(path), size_guidance=_SIZE_GUIDANCE)
-            acc.Reload()
-        except OSError as error:  # an event file that cannot be opened (permissions): the check names the file
-            files = unreadable_files(found.root, [name])[0]
-            found.unreadable.update(files or {name: f"its event files cannot be read ({error})"})
-            continue
-        run = _read_run(name, path, acc)
+        accumulators = [a for f in _event_files(path) if (a := _accumulate(f)) is not None]
+        run = _read_run(name, path, accumulators)
         if run.scalars or run.records or run.exponents is not None:
             runs.append(run)
         elif run.unreadable:  # records only, none of them readable: nothing of it to report
@@ -83,6 +78,26 @@ def read_runs(found: RunFolders) -> tuple[list[RunData], list[str]]:
         else:
             ignored.append(name)
     return runs, ignored
+
+
+def _event_files(folder: Path) -> list[Path]:
+    """The event files of a run's folder in name order (TensorBoard's order: by the time each was opened), folders
+    named like one left out (TensorBoard's own directory reader would stop at them)."""
+    try:
+        return sorted(f for f in folder.iterdir() if is_event_file(f.name) and f.is_file())
+    except OSError:  # the folder went away or cannot be listed: find_runs names such folders
+        return []
+
+
+def _accumulate(path: Path) -> Optional[event_accumulator.EventAccumulator]:
+    """Every event of one event file (TensorBoard's reader), ``None`` when it cannot be opened (the file check names
+    it, see :func:`unreadable_files`)."""
+    acc = event_accumulator.EventAccumulator(str(path), size_guidance=_SIZE_GUIDANCE)
+    try:
+        acc.Reload()
+    except OSError:
+        return None
+    return acc
 
 
 _FRAME = struct.Struct("<QI")  # a record's length and the masked CRC-32C of those 8 bytes; then data, its CRC
@@ -148,10 +163,7 @@ def unreadable_files(root: Path, runs: list[str]) -> tuple[dict[str, str], set[s
     wrong}``, and the runs of which nothing can be read (every event file damaged in its first record)."""
     found, lost = {}, set()
     for run in runs:
-        try:
-            files = sorted(f for f in (root / run).iterdir() if is_event_file(f.name) and f.is_file())
-        except OSError:  # the folder went away or cannot be listed: find_runs names such folders
-            continue
+        files = _event_files(root / run)
         checked = {f: _check_frames(f) for f in files}
         for f, (what, _) in checked.items():
             if what is not None:
@@ -161,43 +173,48 @@ def unreadable_files(root: Path, runs: list[str]) -> tuple[dict[str, str], set[s
     return dict(sorted(found.items())), lost
 
 
-def _read_run(name: str, path: Path, acc: event_accumulator.EventAccumulator) -> RunData:
-    found = acc.Tags()
-    # one point per step, the last written: a run resumed into its own log directory from a checkpoint older than
-    # its last logged step logs those steps again (TensorBoard's reader keeps both: torch's writer marks no restart)
-    scalars = {
-        t: sorted({e.step: e.value for e in acc.Scalars(t)}.items())
-        for t in found["scalars"]
-        if t.startswith(tags.PREFIX)
-    }
-    records, unreadable = _records(acc)
-    exponent_tags = [t for t in found["histograms"] if tags.parameter_of(tags.GRAD_EXPONENT, t)]
-    last = {t: acc.Histograms(t)[-1] for t in exponent_tags}
-    return RunData(name, path, scalars, records, _last_exponents(last), unreadable)
+def _read_run(name: str, path: Path, accumulators: list[event_accumulator.EventAccumulator]) -> RunData:
+    """One run from the events of its files, read in file order."""
+    scalars: dict[str, dict[int, float]] = {}
+    last: dict[str, Any] = {}
+    for acc in accumulators:
+        found = acc.Tags()
+        # one point per step, the last written: a run resumed into its own log directory from a checkpoint older
+        # than its last logged step logs those steps again (torch's writer marks no restart)
+        for tag in found["scalars"]:
+            if tag.startswith(tags.PREFIX):
+                scalars.setdefault(tag, {}).update((e.step, e.value) for e in acc.Scalars(tag))
+        for tag in found["histograms"]:
+            if tags.parameter_of(tags.GRAD_EXPONENT, tag):
+                last[tag] = acc.Histograms(tag)[-1]
+    records, unreadable = _records(accumulators)
+    points = {tag: sorted(values.items()) for tag, values in scalars.items()}
+    return RunData(name, path, points, records, _last_exponents(last), unreadable)
 
 
 def _records(
-    acc: event_accumulator.EventAccumulator,
+    accumulators: list[event_accumulator.EventAccumulator],
 ) -> tuple[dict[str, list[tuple[int, dict[str, Any]]]], Optional[str]]:
     """The run's records by tag, or none and what is wrong with the first bad one (then the run is read from its
     scalars alone: a summary half from records and half from guesses would be wrong without saying so)."""
-    try:
-        record_tags = sorted(acc.PluginTagToContent(tags.PLUGIN_NAME))  # the records: found by their plugin name
-    except KeyError:  # no records in this run
-        return {}, None
     records: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     bad: list[str] = []
-    for tag in record_tags:
-        for event in acc.Tensors(tag):
-            try:
-                record = decode(event.tensor_proto)
-                what = check_record(tag, record)
-            except ValueError as error:
-                what = str(error)
-            if what is not None:
-                bad.append(f"{tag} at step {event.step}: {what}")
-            else:
-                records.setdefault(tag, []).append((event.step, record))
+    for acc in accumulators:
+        try:
+            record_tags = sorted(acc.PluginTagToContent(tags.PLUGIN_NAME))  # the records: found by their plugin name
+        except KeyError:  # no records in this file
+            continue
+        for tag in record_tags:
+            for event in acc.Tensors(tag):
+                try:
+                    record = decode(event.tensor_proto)
+                    what = check_record(tag, record)
+                except ValueError as error:
+                    what = str(error)
+                if what is not None:
+                    bad.append(f"{tag} at step {event.step}: {what}")
+                else:
+                    records.setdefault(tag, []).append((event.step, record))
     if not bad:
         return records, None
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
