@@ -3,7 +3,8 @@ records and its last exponent histograms, and what could not be read.
 
 The runs are the folders :func:`~lightning_mpt.report.folders.find_runs` finds (each real folder once, links
 followed without loops). Each run's event files are read with TensorBoard's own reader (``EventAccumulator``, every
-scalar kept), one file at a time in name order, so that a file that cannot be opened loses that file only. TensorBoard's reader stops quietly at a damaged record: each event file's framing is checked first
+scalar kept), one file at a time in name order, so that a file that cannot be opened loses that file only.
+TensorBoard's reader stops quietly at a damaged record: each event file's framing is checked first
 (:func:`check_event_file`). Records are checked before use (:mod:`lightning_mpt.report.records`).
 
 Example:
