@@ -76,8 +76,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"  {path}", file=notes)
     if not args.json:
         print(
-            f"\ndashboard: tensorboard --logdir {shlex.quote(str(args.logdir))}\n  then open {dashboard_url()}"
-            " (the Mixed precision dashboard, smoothing off)"
+            f"\nthe Mixed precision dashboard (smoothing off):\n  tensorboard --logdir {shlex.quote(str(args.logdir))}\n"
+            f"  then open {dashboard_url()}"
         )
     return 0
 

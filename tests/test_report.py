@@ -325,7 +325,7 @@ def test_plots_skipped_without_matplotlib(
     out = capsys.readouterr().out
     assert "skipped steps" in out
     note = "plots skipped: matplotlib is not installed (pip install 'lightning-mpt[plots]')"
-    assert out.rstrip().splitlines()[-4] == note  # then the dashboard's command and address
+    assert out.rstrip().splitlines()[-5] == note  # then the dashboard's command and address
     assert not (tmp_path / "plots").exists()
 
 
@@ -589,3 +589,77 @@ def test_a_record_of_another_schema_or_malformed_names_the_run_and_the_rest_is_r
     )
     text = no_traceback(["report", str(root), "--no-plots"]).stdout
     assert f"  bad: its records are not read, the run is reported from its scalars: {tag} at step 4: {what}" in text
+
+
+# ------------------------------------------------------------------------------------------------- the text's shape
+LONG_RUNS = [
+    f"{example}/version_{v}/{precision}"
+    for example, v in [("litgpt_fabric", 0), ("bert_finetune", 3), ("vit_static_vs_dynamic", 12)]
+    for precision in ("mpt-fp16", "bf16-mixed", "16-mixed", "mpt-bf16", "mpt-fp16-static", "32-true")
+][:17]
+
+
+def test_the_table_of_17_runs_fits_100_columns(runs: Runs, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """17 runs named by long paths: short column names with a legend, as many tables as the width needs; every line
+    of the report fits 100 characters, and every run's numbers are still there."""
+    for name in LONG_RUNS:
+        shutil.copytree(runs.root / "a" / "version_0", tmp_path / name)
+    assert main(["report", str(tmp_path), "--no-plots", "--width", "100"]) == 0
+    out = capsys.readouterr().out
+    wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not wide, f"{len(wide)} lines wider than 100, the widest {max(map(len, wide))}"
+    assert out.startswith(f"lightning-mpt report: {tmp_path} (17 runs)\n\ncolumns:\n")
+    for i, name in enumerate(sorted(LONG_RUNS), start=1):
+        assert f"  #{i}: {name}\n" in out  # the legend
+        assert f"\n{name}:\n" in out  # each run's own lists keep its full name
+    skipped = [cell for line in out.splitlines() if line.startswith("skipped steps  ") for cell in line.split()[2:]]
+    assert skipped == ["3", "(30%)"] * 17
+
+
+def test_a_few_short_names_keep_one_table(runs: Runs, tmp_path: Path) -> None:
+    for name in ("story/dynamic", "story/unscaled"):
+        shutil.copytree(runs.root / "a" / "version_0", tmp_path / name)
+    text = format_text(build_report(tmp_path), width=100)
+    assert text.splitlines()[2].split() == ["story/dynamic", "story/unscaled"]  # the full names fit: no legend
+    assert "columns:" not in text
+
+
+def test_the_command_ends_with_the_dashboard(runs: Runs, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_mpt.diagnostics.dashboard import dashboard_url
+
+    assert main(["report", str(runs.root / "b"), "--no-plots"]) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[-3:] == [
+        "the Mixed precision dashboard (smoothing off):",
+        f"  tensorboard --logdir {runs.root / 'b'}",
+        f"  then open {dashboard_url()}",
+    ]
+    assert main(["report", str(runs.root / "b"), "--no-plots", "--json"]) == 0
+    json.loads(capsys.readouterr().out)  # --json prints the JSON alone
+
+
+# ------------------------------------------------------------------------------------------------------ the plots
+def test_the_exponent_histogram_labels_zero_once(runs: Runs) -> None:
+    pytest.importorskip("matplotlib")
+    from lightning_mpt.report.plots import exponent_figure
+
+    (summary,) = build_report(runs.root / "a").runs
+    assert summary.exponents is not None
+    ax = exponent_figure(summary.exponents).axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels.count("0") == 1  # the tick of exponent 0 (2^0), not also the bar of exact zeros
+    assert (labels[0], labels[-1]) == ("zero", "inf/NaN")
+
+
+def test_a_run_without_underflow_gets_words_not_a_blank_heatmap(runs: Runs) -> None:
+    pytest.importorskip("matplotlib")
+    from lightning_mpt.report.plots import underflow_figure
+
+    report = build_report(runs.root / "a")
+    (summary,) = report.runs
+    assert summary.flush is not None
+    assert summary.flush.max == 0  # the dynamic scale flushed nothing at any fp32 reference step
+    ax = underflow_figure(report.data[0], summary).axes[0]
+    assert not ax.collections  # no heatmap
+    (text,) = ax.texts
+    assert text.get_text().startswith("No underflow: the flush fraction was 0% for all 4 parameters at all 5 logged")

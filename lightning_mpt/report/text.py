@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Optional
 
@@ -56,7 +57,7 @@ def format_text(report: Report, top: int = 5, width: int = WIDTH) -> str:
     lines += _table(runs, names, width)
     for r, name in zip(runs, names):
         lines += ["", f"{name}:", *_run_lines(r, top)]
-    lines += advice_section(names, [r.advice for r in runs])
+    lines += advice_section(names, [r.advice for r in runs], width)
     if report.ignored:
         lines += ["", f"no {tags.PREFIX} tags, not reported: {', '.join(report.ignored)}"]
     if report.unreadable:
@@ -87,28 +88,37 @@ def run_labels(names: list[str], limit: int = _NAME) -> list[str]:
     return short
 
 
-def advice_section(names: list[str], advice: list[list[Advice]]) -> list[str]:
-    """The report's closing section: a blank line, its title, then each run's name and its advice, one line each
-    (``nothing to change`` for a run no rule applies to).
+def advice_section(names: list[str], advice: list[list[Advice]], width: int = WIDTH) -> list[str]:
+    """The report's closing section: a blank line, its title, then each run's name and its advice, each item wrapped
+    to ``width`` characters (``nothing to change`` for a run no rule applies to).
 
     Args:
         names: the runs' names as the table shows them.
         advice: each run's advice (:func:`~lightning_mpt.report.advice.advise`), in the same order.
+        width: the characters per line.
 
     Example:
         ```python
-        lines = advice_section(["a", "b"], [[], [Advice("masters", "Keep them.", {})]])
+        lines = advice_section(["a", "b"], [[], [Advice("underflow", "Raise the scale.", {})]])
         assert lines[1:] == ["advice (what to change, and why):", "a: nothing to change (no rule applies)", "b:",
-                             "  - Keep them. [masters]"]
+                             "  - Raise the scale. [underflow]"]
         ```
     """
     lines = ["", "advice (what to change, and why):"]
     for name, found in zip(names, advice):
-        lines += (
-            [f"{name}:", *(f"  - {a.text} [{a.rule}]" for a in found)]
-            if found
-            else [f"{name}: nothing to change (no rule applies)"]
-        )
+        if not found:
+            lines.append(f"{name}: nothing to change (no rule applies)")
+            continue
+        lines.append(f"{name}:")
+        for a in found:
+            lines += textwrap.wrap(
+                f"{a.text} [{a.rule}]",
+                width,
+                initial_indent="  - ",
+                subsequent_indent="    ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
     return lines
 
 
@@ -168,11 +178,12 @@ def _run_lines(r: RunSummary, top: int) -> list[str]:
         )
     kinds = r.skips
     if kinds.start or kinds.probes:  # a dynamic scale at work: say which skips were its doing
-        lines.append(
-            f"  skipped steps by kind: {len(kinds.start)} at the start while the scale backed off, "
-            f"{len(kinds.probes)} growth probes (an overflow at a scale just grown: the dynamic scaler at work), "
-            f"{len(kinds.other)} other"
-        )
+        lines += [
+            "  skipped steps by kind:",
+            f"    at the start, while the scale backed off: {len(kinds.start)}",
+            f"    growth probes (an overflow at a scale just grown: the dynamic scaler at work): {len(kinds.probes)}",
+            f"    other: {len(kinds.other)}",
+        ]
     lines += _listing(
         "parameters most often non-finite (skipped steps)", [f"{n}: {c}" for n, c in r.nonfinite_params.items()], top
     )
