@@ -75,10 +75,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             for path in paths:
                 print(f"  {path}", file=notes)
     if not args.json:
-        print(
-            f"\nthe Mixed precision dashboard (smoothing off):\n  tensorboard --logdir {shlex.quote(str(args.logdir))}\n"
-            f"  then open {dashboard_url()}"
-        )
+        logdir = shlex.quote(str(args.logdir))
+        print(f"\nthe Mixed precision dashboard (smoothing off):\n  tensorboard --logdir {logdir}")
+        print(f"  then open {dashboard_url()}")
     return 0
 
 
