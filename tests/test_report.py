@@ -167,6 +167,43 @@ def test_the_step_count_is_the_steps_trained(tmp_path: Path, trained: int, monit
     assert summary.steps == trained
 
 
+@pytest.mark.parametrize("front", ["trainer", "fabric"])
+def test_a_bf16_mixed_run_counts_the_steps_trained(tmp_path: Path, front: str) -> None:
+    """Lightning's own "bf16-mixed" has no loss scale to log: the statistics logged every 4 steps end at step 8 of
+    10, and the end-of-training record says 10."""
+    steps = 10
+    if front == "trainer":
+        monitors = [LossScaleMonitor(), UnderflowMonitor(every_n_steps=4)]
+        logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+        trainer = quiet_trainer(precision="bf16-mixed", callbacks=monitors, logger=logger, max_steps=steps)
+        with pytest.warns(UserWarning, match="no loss scaler"):
+            trainer.fit(TinyMLP(), regression_data(n=16 * steps))
+        assert trainer.global_step == steps
+    else:
+        from lightning.fabric.loggers import TensorBoardLogger as FabricTensorBoardLogger
+
+        from lightning_mpt.fabric import MixedPrecisionLogger
+
+        fabric = L.Fabric(
+            accelerator="cpu",
+            devices=1,
+            precision="bf16-mixed",
+            loggers=FabricTensorBoardLogger(str(tmp_path), name="run", version=0),
+        )
+        net = TinyMLP().net
+        model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+        diagnostics = MixedPrecisionLogger(fabric, model, every_n_steps=4, histograms_every_n_steps=0)
+        for x, y in regression_data(n=16 * steps):
+            fabric.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+            diagnostics.after_backward()
+            diagnostics.step(optimizer)
+            optimizer.zero_grad()
+        diagnostics.finalize()
+    (summary,) = build_report(tmp_path).runs
+    assert summary.steps == steps
+    assert (summary.skipped_steps, summary.format) == (0, "bf16")
+
+
 def test_summary_equals_plugin_history(runs: Runs) -> None:
     (s,) = build_report(runs.root / "a" / "version_0").runs
     history = list(runs.plugin.history)
