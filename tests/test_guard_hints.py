@@ -33,9 +33,7 @@ def fit(plugin: MPTPrecision, model: Any = TinyMLP, data: Any = None, **trainer:
     """Train; the stop's hint, ``""`` when the run was not stopped."""
     torch.manual_seed(0)
     try:
-        quiet_trainer(plugins=[plugin], max_steps=STEPS, **trainer).fit(
-            model(), data or regression_data(n=16 * STEPS)
-        )
+        quiet_trainer(plugins=[plugin], max_steps=STEPS, **trainer).fit(model(), data or regression_data(n=16 * STEPS))
     except NonFiniteGradientError as error:
         (hint,) = [line for line in str(error).splitlines() if line.startswith("  hint: ")]
         return hint
