@@ -84,9 +84,22 @@ def stop_message(
 
 
 def stop_hint(record: StepRecord, streak: int, at_floor: bool, scaler: Optional[DynamicLossScaler]) -> str:
-    """What helps, by cause. Clipping and a lower learning rate are not offered: clipping acts on the unscaled
-    gradients after the overflow has happened, and a skipped step applies no update for the learning rate to scale,
-    so neither prevents the next overflow (measured: the same steps skip with either)."""
+    """What helps, by cause of the stop. Clipping and a lower learning rate are not offered: clipping acts on the
+    unscaled gradients after the overflow has happened, and a skipped step applies no update for the learning rate to
+    scale, so neither prevents the next overflow (measured: the same steps skip with either).
+
+    Args:
+        record: the skipped step that stopped the run.
+        streak: skipped steps in a row of its optimizer, this one included.
+        at_floor: whether it overflowed at the scaler's ``min_scale``.
+        scaler: the run's scaler, ``None`` without loss scaling.
+
+    Example:
+        ```python
+        record = StepRecord(step=2, scale=2.0**22, skipped=True)
+        assert "use the dynamic scaler" in stop_hint(record, 3, False, DynamicLossScaler.static(2.0**22))
+        ```
+    """
     if not record.loss_finite:
         return (
             "the loss itself is inf/NaN: no loss scale changes that. Check the data and the loss (a log of 0, a "

@@ -281,7 +281,19 @@ RULES: tuple[Rule, ...] = (static_overflow, skips_at_start, bf16, underflow, gro
 
 def run_scaling(run: RunData) -> Optional[str]:
     """How ``run`` scaled its loss: ``loss_scaling`` of its run record, else ``"dynamic"`` when the logged scale
-    changed and ``"static"`` when it did not (``None`` without a logged scale)."""
+    changed and ``"static"`` when it did not (``None`` without a logged scale).
+
+    Args:
+        run: what was read of the run.
+
+    Example:
+        ```python
+        from lightning_mpt.report.events import load_runs
+
+        runs, _ = load_runs("runs")
+        assert run_scaling(runs[0]) in ("dynamic", "static", "grad_scaler", "none", None)
+        ```
+    """
     scaling = run.run_record().get("loss_scaling")
     if scaling is not None:
         return str(scaling)

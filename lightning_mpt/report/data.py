@@ -191,6 +191,12 @@ class SkipKinds:
         start: the skips at steps 0, 1, 2, ... in a row while a dynamic scale backed off from its initial value.
         probes: skips at a scale the dynamic scaler had just grown to (one per growth that overflowed).
         other: the rest: overflows at a scale that had worked, every skip under a static scale.
+
+    Example:
+        ```python
+        kinds = SkipKinds(start=[0, 1, 2], probes=[25, 55], other=[100])
+        assert len(kinds.start) + len(kinds.probes) + len(kinds.other) == 6
+        ```
     """
 
     start: list[int] = field(default_factory=list)

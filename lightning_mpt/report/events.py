@@ -57,11 +57,22 @@ def load_runs(logdir: Union[str, Path]) -> tuple[list[RunData], list[str]]:
 
 
 def read_runs(found: RunFolders) -> tuple[list[RunData], list[str]]:
-    """Read the runs ``found`` (:func:`~lightning_mpt.report.folders.find_runs`): those with ``mpt/`` tags, and the
-    names of those without. A run whose records are all unreadable and that has nothing else goes to
-    ``found.unreadable``.
+    """Read the runs ``found``: those with ``mpt/`` tags, and the names of those without.
 
-    Raises :class:`~lightning_mpt.report.data.ReportError` when no folder holds event files.
+    A run whose records are all unreadable and that has nothing else goes to ``found.unreadable``. Raises
+    :class:`~lightning_mpt.report.data.ReportError` when no folder holds event files.
+
+    Args:
+        found: the run folders (:func:`~lightning_mpt.report.folders.find_runs`).
+
+    Example:
+        ```python
+        from lightning_mpt.report.folders import find_runs
+
+        found = find_runs("runs")
+        runs, ignored = read_runs(found)
+        print([r.name for r in runs], ignored, found.unreadable)
+        ```
     """
     if not found.runs and not found.unreadable:
         raise ReportError(
@@ -160,8 +171,24 @@ def _check_frames(path: Path) -> tuple[Optional[str], int]:
 
 
 def unreadable_files(root: Path, runs: list[str]) -> tuple[dict[str, str], set[str]]:
-    """The event files of ``runs`` that are truncated, corrupt or cannot be opened, ``{path relative to root: what is
-    wrong}``, and the runs of which nothing can be read (every event file damaged in its first record)."""
+    """The event files of ``runs`` that are truncated, corrupt or cannot be opened, and the runs of which nothing can
+    be read (every event file damaged in its first record).
+
+    Args:
+        root: the log directory.
+        runs: the runs' names, relative to ``root``.
+
+    Returns:
+        ``{event file relative to root: what is wrong}`` and the names of the runs lost whole.
+
+    Example:
+        ```python
+        from pathlib import Path
+
+        damaged, lost = unreadable_files(Path("runs"), ["demo/version_0"])
+        assert damaged == {} and lost == set()
+        ```
+    """
     found, lost = {}, set()
     for run in runs:
         files = _event_files(root / run)

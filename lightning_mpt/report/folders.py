@@ -35,7 +35,16 @@ __all__ = ["RunFolders", "find_runs", "is_event_file"]
 
 
 def is_event_file(name: str) -> bool:
-    """Whether a file of this name is a TensorBoard event file (TensorBoard's own test: ``tfevents`` in the name)."""
+    """Whether a file of this name is a TensorBoard event file (TensorBoard's own test: ``tfevents`` in the name).
+
+    Args:
+        name: the file's name.
+
+    Example:
+        ```python
+        assert is_event_file("events.out.tfevents.1700000000.host.1.0") and not is_event_file("hparams.yaml")
+        ```
+    """
     return "tfevents" in name
 
 

@@ -26,7 +26,19 @@ FLUSH_SHARE = 0.01
 
 
 def is_bad(row: Fp8Row) -> bool:
-    """Whether the casts of ``row`` saturate or flush enough values to name the layer (the thresholds above)."""
+    """Whether the casts of ``row`` saturate or flush enough values to name the layer (the thresholds above).
+
+    Args:
+        row: one layer and role of the fp8 casts.
+
+    Example:
+        ```python
+        from lightning_mpt.report.data import Fp8Row
+
+        assert is_bad(Fp8Row("fc1", "input", 0.0, 0.05, 0.06, 0.6, 90.0, 0.011))      # 5% flushed
+        assert not is_bad(Fp8Row("fc2", "input", 0.0, 0.001, 0.002, 0.0, 1.0, 448.0))
+        ```
+    """
     return row.saturated >= SATURATED_SHARE or row.flush >= FLUSH_SHARE
 
 

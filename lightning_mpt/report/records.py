@@ -90,7 +90,18 @@ _JSON_TYPES = {
 
 
 def decode(tensor_proto: Any) -> Any:
-    """The JSON value of a record's ``TensorProto``; raises ``ValueError`` when it holds no JSON text."""
+    """The JSON value of a record's ``TensorProto``; raises ``ValueError`` when it holds no JSON text.
+
+    Args:
+        tensor_proto: ``EventAccumulator.Tensors(tag)[i].tensor_proto`` of a record's tag.
+
+    Example:
+        ```python
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
+        assert decode(TensorProto(dtype="DT_STRING", string_val=[b'{"schema": 1}'])) == {"schema": 1}
+        ```
+    """
     try:
         return json.loads(tensor_proto.string_val[0].decode())
     except (IndexError, UnicodeDecodeError, json.JSONDecodeError) as error:

@@ -27,7 +27,19 @@ __all__ = ["classify_skips", "skipped_steps"]
 
 
 def skipped_steps(run: RunData) -> list[int]:
-    """The skipped optimizer steps of ``run``, in order: from the records, else from the 0/1 overflow flags."""
+    """The skipped optimizer steps of ``run``, in order: from the records, else from the 0/1 overflow flags.
+
+    Args:
+        run: what was read of the run.
+
+    Example:
+        ```python
+        from lightning_mpt.report.events import load_runs
+
+        runs, _ = load_runs("runs")
+        print(skipped_steps(runs[0]))   # [2]
+        ```
+    """
     skips = [int(r["step"]) for r in run.record_list(tags.SKIP_RECORD)]
     if not skips:  # a run logged without records: the 0/1 flags
         skips = [s for s, v in run.series(tags.OVERFLOW) if v > 0]

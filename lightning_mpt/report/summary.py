@@ -36,6 +36,9 @@ def summarize(run: RunData) -> RunSummary:
     """The summary of one run: steps, skips, scale statistics, the first overflow, the parameters most often
     non-finite, a stop by the guard, the layers with the worst underflow and the update underflow.
 
+    Args:
+        run: what was read of the run (:func:`~lightning_mpt.report.events.load_runs`).
+
     Example:
         ```python
         from lightning_mpt.report.events import load_runs

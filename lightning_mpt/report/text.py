@@ -70,6 +70,10 @@ def run_labels(names: list[str], limit: int = _NAME) -> list[str]:
     """Short names for the columns of ``names`` (runs' paths): the path parts all of them share at the start and at
     the end left out; ``#1``, ``#2``, ... when one is still longer than ``limit`` or two are the same.
 
+    Args:
+        names: the runs' names (paths relative to the log directory).
+        limit: the longest short name kept.
+
     Example:
         ```python
         assert run_labels(["story/dynamic/version_0", "story/unscaled/version_0"]) == ["dynamic", "unscaled"]
