@@ -1,8 +1,9 @@
 """The ``lightning-mpt`` command.
 
 ``lightning-mpt report LOGDIR [--out DIR] [--json]`` summarises the ``mpt/`` tags of the runs under LOGDIR (see
-:mod:`lightning_mpt.report`) and writes PNG plots to ``--out`` (default ``LOGDIR/report``) when matplotlib is
-installed.
+:mod:`lightning_mpt.report`), writes PNG plots to ``--out`` (default ``LOGDIR/report``) when matplotlib is
+installed, and ends with the command and the address that open the "Mixed precision" dashboard. This module is the
+top of the report's layers: it imports :mod:`lightning_mpt.report`, which never imports it.
 
 Example:
     ```python
@@ -15,10 +16,13 @@ Example:
 from __future__ import annotations
 
 import argparse
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional
 
+from lightning_mpt.diagnostics.dashboard import dashboard_url
 from lightning_mpt.report import ReportError, build_report, format_text
 
 PROG = "lightning-mpt"
@@ -38,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the summary as JSON (notes go to stderr)")
     report.add_argument("--no-plots", action="store_true", help="write no plots")
     report.add_argument("--top", type=int, default=5, help="entries per list in the text report (default: 5)")
+    report.add_argument(
+        "--width",
+        type=int,
+        help="characters per line the table fits (default: the terminal's width, 100 when it has none)",
+    )
     return parser
 
 
@@ -49,11 +58,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ReportError as e:
         print(f"{PROG} report: error: {e}", file=sys.stderr)
         return 1
-    print(report.to_json() if args.json else format_text(report, top=args.top))
+    width = args.width or shutil.get_terminal_size((100, 24)).columns
+    print(report.to_json() if args.json else format_text(report, top=args.top, width=width))
+    notes = sys.stderr if args.json else sys.stdout  # --json keeps stdout parseable
     if not args.no_plots:
-        notes = sys.stderr if args.json else sys.stdout  # --json keeps stdout parseable
         try:
-            from lightning_mpt.report_plots import write_plots
+            from lightning_mpt.report.plots import write_plots
 
             paths = write_plots(report, args.out or args.logdir / "report")
         except ImportError as e:
@@ -64,6 +74,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("\nplots:" if paths else "\nplots: no data to plot", file=notes)
             for path in paths:
                 print(f"  {path}", file=notes)
+    if not args.json:
+        logdir = shlex.quote(str(args.logdir))
+        print(f"\nthe Mixed precision dashboard (smoothing off):\n  tensorboard --logdir {logdir}")
+        print(f"  then open {dashboard_url()}")
     return 0
 
 

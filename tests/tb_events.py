@@ -51,3 +51,20 @@ def records(ea: EventAccumulator, tag: str) -> list[tuple[int, dict[str, Any]]]:
 def layouts(ea: EventAccumulator) -> list[layout_pb2.Layout]:
     """The custom-scalars layouts written to the run."""
     return [layout_pb2.Layout.FromString(e.tensor_proto.string_val[0]) for e in ea.Tensors(CONFIG_SUMMARY_TAG)]
+
+
+def write_record(log_dir: PathLike, tag: str, payload: bytes, step: int) -> None:
+    """Write ``payload`` (any bytes, JSON or not) as a lightning-mpt record of ``tag`` at ``step`` into a new event
+    file in ``log_dir``: the framing of a real record around contents ``Sink.record`` would never write."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_mpt._compat import event_file_writer
+
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=tags.PLUGIN_NAME, content=b"json"))
+    tensor = TensorProto(dtype="DT_STRING", string_val=[payload], tensor_shape=TensorShapeProto())
+    with SummaryWriter(str(log_dir), filename_suffix=".bad") as writer:
+        summary = Summary(value=[Summary.Value(tag=tag, tensor=tensor, metadata=metadata)])
+        event_file_writer(writer).add_summary(summary, step)

@@ -6,6 +6,8 @@
 - The two front-ends never import each other: the Trainer's (``precision.py``, ``callbacks/``, ``_averaging.py``,
   ``_retries.py``) and Fabric's (``fabric/``). What both need lives below them (``_plugin.py``, ``core/``,
   ``diagnostics/``).
+- The report (``report/``, with ``cli.py`` on top) imports no front-end, and its modules import each other in one
+  direction only: no import circle between them (:data:`REPORT_ORDER`).
 
 Imports are read from the source (every ``import``, also inside functions and under ``TYPE_CHECKING``), so a lazy
 import cannot hide a wrong direction. Docstrings are not code and are not read.
@@ -28,9 +30,6 @@ BELOW_ADAPTERS = (
     "lightning_mpt._gradscaler",
     "lightning_mpt._pretrained",
     "lightning_mpt.report",
-    "lightning_mpt.report_events",
-    "lightning_mpt.report_plots",
-    "lightning_mpt.report_advice",
     "lightning_mpt.cli",
 )
 
@@ -47,12 +46,26 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "_averaging.py": FABRIC,
     "_retries.py": FABRIC,
     "fabric/": ("lightning.pytorch", *TRAINER),
-    "report.py": ("lightning", *TRAINER, *FABRIC),
-    "report_events.py": ("lightning", *TRAINER, *FABRIC),
-    "report_plots.py": ("lightning", *TRAINER, *FABRIC),
-    "report_advice.py": ("lightning", *TRAINER, *FABRIC),
+    "report/": ("lightning", *TRAINER, *FABRIC, "lightning_mpt.cli"),
     "cli.py": ("lightning", *TRAINER, *FABRIC),
 }
+
+# the report's modules from the bottom up: each imports only modules before it in this list (the package's
+# __init__ re-exports; the command, lightning_mpt/cli.py, is on top)
+REPORT_ORDER = (
+    "lightning_mpt.report.data",
+    "lightning_mpt.report.folders",
+    "lightning_mpt.report.records",
+    "lightning_mpt.report.events",
+    "lightning_mpt.report.skips",
+    "lightning_mpt.report.fp8",
+    "lightning_mpt.report.advice",
+    "lightning_mpt.report.summary",
+    "lightning_mpt.report.text",
+    "lightning_mpt.report.plots",
+    "lightning_mpt.report",
+    "lightning_mpt.cli",
+)
 
 
 def imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
@@ -107,3 +120,78 @@ def test_the_check_finds_a_wrong_import(tmp_path: Path) -> None:
         "imports lightning_mpt.fabric",
         "imports lightning_mpt.callbacks",
     ]
+
+
+# ------------------------------------------------------------------------------------------------ import circles
+def module_graph(paths: list[Path], root: Path = PACKAGE) -> dict[str, set[str]]:
+    """``{module: modules of paths it imports}`` for the modules at ``paths`` (under the package at ``root``); an
+    imported name resolves to the longest module of ``paths`` it starts with (``a.b.f`` -> ``a.b``)."""
+    names = {}
+    for path in paths:
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        graph[name] = set()
+        for _, module in imports(path, root):
+            while module and module not in names:
+                module = module.rpartition(".")[0]
+            if module and module != name:
+                graph[name].add(module)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: each group of modules that import each other, directly or through others (a
+    strongly connected component of two or more), its modules sorted."""
+    reach = {module: _reachable(graph, module) for module in graph}
+    groups = {tuple(sorted(m for m in graph if m in reach[module] and module in reach[m])) for module in graph}
+    return sorted(list(group) for group in groups if len(group) > 1)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for imported in graph[todo.pop()]:
+            if imported not in seen:
+                seen.add(imported)
+                todo.append(imported)
+    return seen
+
+
+def report_modules(root: Path = PACKAGE) -> list[Path]:
+    """The report's modules: the package ``report/``, any ``report*.py`` beside it, and the command ``cli.py``."""
+    return [*sorted((root / "report").rglob("*.py")), *sorted(root.glob("report*.py")), root / "cli.py"]
+
+
+def test_no_import_circle_in_the_report() -> None:
+    found = circles(module_graph(report_modules()))
+    assert not found, "modules of the report that import each other:\n" + "\n".join(", ".join(c) for c in found)
+
+
+def test_the_report_imports_downwards() -> None:
+    graph = module_graph(report_modules())
+    assert sorted(graph) == sorted(REPORT_ORDER), "a module of the report is missing from REPORT_ORDER"
+    upward = [
+        f"{module} imports {imported}"
+        for module, imports_of in graph.items()
+        for imported in imports_of
+        if REPORT_ORDER.index(imported) > REPORT_ORDER.index(module)
+    ]
+    assert not upward, "the report's modules import downwards only (REPORT_ORDER):\n" + "\n".join(upward)
+
+
+def test_the_check_finds_an_import_circle(tmp_path: Path) -> None:
+    """A circle through a run-time import inside a function and one through ``TYPE_CHECKING`` are both found."""
+    root = tmp_path / "lightning_mpt"
+    (root / "report").mkdir(parents=True)
+    (root / "cli.py").write_text("from lightning_mpt.report import summary\n")
+    (root / "report" / "__init__.py").write_text("")
+    (root / "report" / "data.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .summary import S\n"
+    )
+    (root / "report" / "advice.py").write_text("def f():\n    from lightning_mpt.report.summary import summarize\n")
+    (root / "report" / "summary.py").write_text("from lightning_mpt.report.advice import f\nfrom . import data\n")
+    found = circles(module_graph(report_modules(root), root))
+    assert found == [["lightning_mpt.report.advice", "lightning_mpt.report.data", "lightning_mpt.report.summary"]]

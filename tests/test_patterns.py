@@ -16,7 +16,7 @@ from models import InjectInf, TinyMLP, check_fp32_accumulation, quiet_trainer, r
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mpt import DynamicLossScaler, MPTPrecision, NonFiniteGradientError
+from lightning_mpt import DEFAULT_KEEP_FP32, DynamicLossScaler, MPTPrecision, NonFiniteGradientError
 from lightning_mpt._compat import GRAD_DTYPE
 
 PRECISIONS = ["fp16", "bf16"]
@@ -530,7 +530,29 @@ def test_keep_fp32_accepts_a_single_class():
     assert model[0].weight.dtype == torch.float32
     assert model[1].weight.dtype == torch.bfloat16
     plugin.teardown()
-    assert plugin.keep_fp32 == (nn.Linear,)
+    assert plugin.keep_fp32 == (*DEFAULT_KEEP_FP32, nn.Linear)
+
+
+@pytest.mark.parametrize(
+    ("keep", "kept"),
+    [
+        (nn.Linear, {"linear", "norm"}),  # the user's type, in addition to the default norm layers
+        ((nn.Linear, nn.Conv1d), {"linear", "conv", "norm"}),
+        ((*DEFAULT_KEEP_FP32, nn.Linear), {"linear", "norm"}),  # the defaults spelled out: the same
+        ((nn.LayerNorm,), {"norm"}),  # a tuple that names a default type is the whole list
+        ((nn.BatchNorm1d,), set()),
+        ((), set()),  # nothing in fp32
+    ],
+)
+def test_keep_fp32_adds_to_the_norm_layers(keep, kept):
+    """A type of one's own (``keep_fp32=nn.Linear``) used to replace the default norm layers, which then trained in the
+    half format; it is kept in addition to them. A tuple that names a default type itself is taken as the whole list."""
+    plugin = MPTPrecision("bf16", keep_fp32=keep)
+    model = plugin.convert_module(
+        nn.ModuleDict({"linear": nn.Linear(2, 2), "conv": nn.Conv1d(2, 2, 1), "norm": nn.LayerNorm(2)})
+    )
+    assert {name for name, m in model.items() if m.weight.dtype == torch.float32} == kept
+    plugin.teardown()
 
 
 # ------------------------------------------------------------------------ a backward between clipping and the step

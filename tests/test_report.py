@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import shutil
 import statistics
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from models import InjectInf, TinyMLP, quiet_trainer, regression_data
-from tb_events import read_events, series, texts
+from tb_events import read_events, series, texts, write_record
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_mpt import DynamicLossScaler, MPTPrecision, NonFiniteGradientError
@@ -26,7 +29,7 @@ from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, 
 from lightning_mpt.cli import main
 from lightning_mpt.core.numerics import BF16, FP16, FloatFormat, exponent_bins, exponent_histograms
 from lightning_mpt.report import ExponentHistogram, build_report, format_text
-from lightning_mpt.report_plots import write_plots
+from lightning_mpt.report.plots import write_plots
 
 STEPS = 10
 HIST_EVERY = 3  # exponent histograms at steps 0, 3, 6, 9: the last one is an overflow step
@@ -162,6 +165,43 @@ def test_the_step_count_is_the_steps_trained(tmp_path: Path, trained: int, monit
     assert trainer.global_step == trained
     (summary,) = build_report(tmp_path).runs
     assert summary.steps == trained
+
+
+@pytest.mark.parametrize("front", ["trainer", "fabric"])
+def test_a_bf16_mixed_run_counts_the_steps_trained(tmp_path: Path, front: str) -> None:
+    """Lightning's own "bf16-mixed" has no loss scale to log: the statistics logged every 4 steps end at step 8 of
+    10, and the end-of-training record says 10."""
+    steps = 10
+    if front == "trainer":
+        monitors = [LossScaleMonitor(), UnderflowMonitor(every_n_steps=4)]
+        logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+        trainer = quiet_trainer(precision="bf16-mixed", callbacks=monitors, logger=logger, max_steps=steps)
+        with pytest.warns(UserWarning, match="no loss scaler"):
+            trainer.fit(TinyMLP(), regression_data(n=16 * steps))
+        assert trainer.global_step == steps
+    else:
+        from lightning.fabric.loggers import TensorBoardLogger as FabricTensorBoardLogger
+
+        from lightning_mpt.fabric import MixedPrecisionLogger
+
+        fabric = L.Fabric(
+            accelerator="cpu",
+            devices=1,
+            precision="bf16-mixed",
+            loggers=FabricTensorBoardLogger(str(tmp_path), name="run", version=0),
+        )
+        net = TinyMLP().net
+        model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+        diagnostics = MixedPrecisionLogger(fabric, model, every_n_steps=4, histograms_every_n_steps=0)
+        for x, y in regression_data(n=16 * steps):
+            fabric.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+            diagnostics.after_backward()
+            diagnostics.step(optimizer)
+            optimizer.zero_grad()
+        diagnostics.finalize()
+    (summary,) = build_report(tmp_path).runs
+    assert summary.steps == steps
+    assert (summary.skipped_steps, summary.format) == (0, "bf16")
 
 
 def test_summary_equals_plugin_history(runs: Runs) -> None:
@@ -322,7 +362,7 @@ def test_plots_skipped_without_matplotlib(
     out = capsys.readouterr().out
     assert "skipped steps" in out
     note = "plots skipped: matplotlib is not installed (pip install 'lightning-mpt[plots]')"
-    assert out.rstrip().splitlines()[-1] == note
+    assert out.rstrip().splitlines()[-5] == note  # then the dashboard's command and address
     assert not (tmp_path / "plots").exists()
 
 
@@ -376,7 +416,7 @@ def test_only_damaged_event_files_are_an_error_naming_each(tmp_path: Path, capsy
     (tmp_path / "x" / "events.out.tfevents.1.host").write_bytes(b"\x00" * 5)
     assert main(["report", str(tmp_path)]) == 1
     error = capsys.readouterr().err
-    assert error.startswith(f"lightning-mpt report: error: {tmp_path}: nothing to report: unreadable event files:\n")
+    assert error.startswith(f"lightning-mpt report: error: {tmp_path}: nothing to report: unreadable:\n")
     assert (
         "  x/events.out.tfevents.1.host: truncated: it ends at byte 5, inside record 1 (from byte 0); the writing "
         "process stopped mid-record, or the file was cut short; nothing in it can be read"
@@ -469,3 +509,194 @@ def test_a_stop_by_the_guard(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert [c.strip() for c in table_row(out, "stopped by the guard at step")] == ["4"]
     assert "  stopped at step 4 by NonFiniteGradientError: MPTPrecision stopped training: 2 optimizer steps" in out
+
+
+# -------------------------------------------------------------------------------------- bad folders and records
+def no_traceback(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``lightning-mpt`` with ``args`` in a process of its own (``kwargs`` for ``subprocess.run``); it must not print a
+    traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_mpt.cli", *args], capture_output=True, text=True, timeout=120, **kwargs
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def test_links_are_followed_once(runs: Runs, tmp_path: Path) -> None:
+    """Links back to a parent are not walked round (one run, not 41; two such links do not take minutes), and
+    ``latest -> version_0`` is the same run, named by its path without the link."""
+    logs = tmp_path / "logs"
+    shutil.copytree(runs.root / "a", logs / "a")
+    (logs / "a" / "version_0" / "up").symlink_to("../..", target_is_directory=True)
+    (logs / "a" / "up").symlink_to("..", target_is_directory=True)
+    (logs / "a" / "latest").symlink_to("version_0", target_is_directory=True)
+    start = time.monotonic()
+    report = build_report(logs)
+    assert time.monotonic() - start < 20
+    assert [r.run for r in report.runs] == ["a/version_0"]
+    assert report.unreadable == {}
+    # a link to a run kept elsewhere is followed
+    shutil.copytree(runs.root / "b", tmp_path / "elsewhere" / "b")
+    (logs / "b").symlink_to(tmp_path / "elsewhere" / "b", target_is_directory=True)
+    assert [r.run for r in build_report(logs).runs] == ["a/version_0", "b/version_0"]
+
+
+def test_a_broken_link_and_a_folder_named_like_an_event_file_are_no_error(runs: Runs, tmp_path: Path) -> None:
+    shutil.copytree(runs.root / "a", tmp_path / "a")
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
+    (tmp_path / "a" / "version_0" / "events.out.tfevents.0.folder").mkdir()  # a folder where a file is expected
+    proc = no_traceback(["report", str(tmp_path), "--no-plots"])
+    assert proc.returncode == 0
+    assert "lightning-mpt report: " in proc.stdout
+    assert f"  gone: a symbolic link to {tmp_path / 'missing'}, which does not exist" in proc.stdout
+    assert [r.run for r in build_report(tmp_path).runs] == ["a/version_0"]
+
+
+def without_dac_override() -> None:
+    """In a child process before it runs the report: drop the capabilities by which root reads any folder
+    (``CAP_DAC_OVERRIDE``, ``CAP_DAC_READ_SEARCH``) from the bounding set, so that folder modes hold for it too."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_folder_that_cannot_be_listed_is_named_and_the_rest_reported(runs: Runs, tmp_path: Path) -> None:
+    shutil.copytree(runs.root / "a", tmp_path / "a")
+    shutil.copytree(runs.root / "b", tmp_path / "locked" / "b")
+    (tmp_path / "locked").chmod(0o000)
+    drop = without_dac_override if os.geteuid() == 0 else None
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", f"import os; os.listdir({str(tmp_path / 'locked')!r})"],
+            capture_output=True,
+            preexec_fn=drop,
+            timeout=60,
+        )
+        if probe.returncode == 0:
+            pytest.skip("this process can list a folder of mode 000 (root with its capabilities)")
+        proc = no_traceback(["report", str(tmp_path), "--no-plots"], preexec_fn=drop)
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"lightning-mpt report: {tmp_path} (1 run)")
+    assert "  locked: the folder cannot be listed (permission denied)" in proc.stdout
+
+
+def good_and_bad(runs: Runs, root: Path, tag: str, payload: bytes) -> Path:
+    """Run ``a`` twice under ``root``: ``good``, and ``bad`` with one more record of ``tag`` holding ``payload``."""
+    shutil.copytree(runs.root / "a" / "version_0", root / "good")
+    shutil.copytree(runs.root / "a" / "version_0", root / "bad")
+    write_record(root / "bad", tag, payload, step=4)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("tag", "payload", "what"),
+    [
+        (
+            "mpt/data/skipped_step",
+            b'{"schema": 2, "step": 4, "params": ["net.0.weight"]}',
+            "schema 2; this lightning-mpt reads schema 1",
+        ),
+        ("mpt/data/skipped_step", b'{"schema": 1, "step": null, "params": []}', "step is null, expected an integer"),
+        ("mpt/data/skipped_step", b'[{"schema": 1, "step": 4}]', "a JSON array, expected an object"),
+        (
+            "mpt/data/overflow_summary",
+            b'{"schema": 1, "step": 10, "skipped_steps": 3, "params": ["net.3.weight"]}',
+            "params is a JSON array, expected an object of counts",
+        ),
+        ("mpt/data/run", b"not JSON {", "not JSON"),
+    ],
+)
+def test_a_record_of_another_schema_or_malformed_names_the_run_and_the_rest_is_reported(
+    runs: Runs, tmp_path: Path, tag: str, payload: bytes, what: str
+) -> None:
+    root = good_and_bad(runs, tmp_path, tag, payload)
+    proc = no_traceback(["report", str(root), "--no-plots", "--json"])
+    assert proc.returncode == 0
+    data = json.loads(proc.stdout)
+    good, bad = (next(r for r in data["runs"] if r["run"] == name) for name in ("good", "bad"))
+    assert (good["skipped_steps"], good["nonfinite_params"]) == (3, {"net.3.weight": 2, "net.0.bias": 1})
+    # the bad run's records are left out whole; its scalars still count the steps and the skips
+    assert (bad["steps"], bad["skipped_steps"], bad["first_overflow_step"]) == (STEPS, 3, 2)
+    assert bad["nonfinite_params"] == {}
+    assert data["unreadable"]["bad"].startswith(
+        f"its records are not read, the run is reported from its scalars: {tag} at step 4: {what}"
+    )
+    text = no_traceback(["report", str(root), "--no-plots"]).stdout
+    assert f"  bad: its records are not read, the run is reported from its scalars: {tag} at step 4: {what}" in text
+
+
+# ------------------------------------------------------------------------------------------------- the text's shape
+LONG_RUNS = [
+    f"{example}/version_{v}/{precision}"
+    for example, v in [("litgpt_fabric", 0), ("bert_finetune", 3), ("vit_static_vs_dynamic", 12)]
+    for precision in ("mpt-fp16", "bf16-mixed", "16-mixed", "mpt-bf16", "mpt-fp16-static", "32-true")
+][:17]
+
+
+def test_the_table_of_17_runs_fits_100_columns(runs: Runs, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """17 runs named by long paths: short column names with a legend, as many tables as the width needs; every line
+    of the report fits 100 characters, and every run's numbers are still there."""
+    for name in LONG_RUNS:
+        shutil.copytree(runs.root / "a" / "version_0", tmp_path / name)
+    assert main(["report", str(tmp_path), "--no-plots", "--width", "100"]) == 0
+    out = capsys.readouterr().out
+    wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not wide, f"{len(wide)} lines wider than 100, the widest {max(map(len, wide))}"
+    assert out.startswith(f"lightning-mpt report: {tmp_path} (17 runs)\n\ncolumns:\n")
+    for i, name in enumerate(sorted(LONG_RUNS), start=1):
+        assert f"  #{i}: {name}\n" in out  # the legend
+        assert f"\n{name}:\n" in out  # each run's own lists keep its full name
+    skipped = [cell for line in out.splitlines() if line.startswith("skipped steps  ") for cell in line.split()[2:]]
+    assert skipped == ["3", "(30%)"] * 17
+
+
+def test_a_few_short_names_keep_one_table(runs: Runs, tmp_path: Path) -> None:
+    for name in ("story/dynamic", "story/unscaled"):
+        shutil.copytree(runs.root / "a" / "version_0", tmp_path / name)
+    text = format_text(build_report(tmp_path), width=100)
+    assert text.splitlines()[2].split() == ["story/dynamic", "story/unscaled"]  # the full names fit: no legend
+    assert "columns:" not in text
+
+
+def test_the_command_ends_with_the_dashboard(runs: Runs, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_mpt.diagnostics.dashboard import dashboard_url
+
+    assert main(["report", str(runs.root / "b"), "--no-plots"]) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[-3:] == [
+        "the Mixed precision dashboard (smoothing off):",
+        f"  tensorboard --logdir {runs.root / 'b'}",
+        f"  then open {dashboard_url()}",
+    ]
+    assert main(["report", str(runs.root / "b"), "--no-plots", "--json"]) == 0
+    json.loads(capsys.readouterr().out)  # --json prints the JSON alone
+
+
+# ------------------------------------------------------------------------------------------------------ the plots
+def test_the_exponent_histogram_labels_zero_once(runs: Runs) -> None:
+    pytest.importorskip("matplotlib")
+    from lightning_mpt.report.plots import exponent_figure
+
+    (summary,) = build_report(runs.root / "a").runs
+    assert summary.exponents is not None
+    ax = exponent_figure(summary.exponents).axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels.count("0") == 1  # the tick of exponent 0 (2^0), not also the bar of exact zeros
+    assert (labels[0], labels[-1]) == ("zero", "inf/NaN")
+
+
+def test_a_run_without_underflow_gets_words_not_a_blank_heatmap(runs: Runs) -> None:
+    pytest.importorskip("matplotlib")
+    from lightning_mpt.report.plots import underflow_figure
+
+    report = build_report(runs.root / "a")
+    (summary,) = report.runs
+    assert summary.flush is not None
+    assert summary.flush.max == 0  # the dynamic scale flushed nothing at any fp32 reference step
+    ax = underflow_figure(report.data[0], summary).axes[0]
+    assert not ax.collections  # no heatmap
+    (text,) = ax.texts
+    assert text.get_text().startswith("No underflow: the flush fraction was 0% for all 4 parameters at all 5 logged")

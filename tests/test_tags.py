@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_mpt"
 DIAGNOSTICS = (
     sorted(PACKAGE.glob("callbacks/*.py"))
     + sorted(PACKAGE.glob("diagnostics/*.py"))
-    + [PACKAGE / name for name in ("report.py", "report_plots.py", "cli.py", "core/numerics.py")]
+    + sorted(PACKAGE.glob("report/*.py"))
+    + [PACKAGE / name for name in ("cli.py", "core/numerics.py")]
 )
 
 

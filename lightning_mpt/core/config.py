@@ -9,6 +9,7 @@ import torch
 from torch.nn import Module
 
 from lightning_mpt._compat import GRAD_DTYPE
+from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
 from lightning_mpt.core.scaler import DynamicLossScaler
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -53,6 +54,11 @@ def check_arguments(
             f"MPTPrecision(keep_fp32={keep_fp32!r}): expected a torch.nn.Module subclass or a tuple of them, "
             "e.g. keep_fp32=(torch.nn.LayerNorm, torch.nn.BatchNorm2d)."
         )
+    # types of the user's own (an RMSNorm, a Linear) are kept in addition to the default norm layers: a norm layer
+    # turned half because another type was named is never what was meant. A tuple that names a default type itself
+    # is the whole list, as given (keep_fp32=(nn.LayerNorm,): LayerNorm only; keep_fp32=(): nothing)
+    if not any(k in DEFAULT_KEEP_FP32 for k in keep_fp32):
+        keep_fp32 = tuple(dict.fromkeys((*DEFAULT_KEEP_FP32, *keep_fp32))) if keep_fp32 else ()
     if not (
         isinstance(max_consecutive_skips, int)
         and not isinstance(max_consecutive_skips, bool)

@@ -55,10 +55,16 @@ class StepRecord:
 
 
 def stop_message(
-    record: StepRecord, history: Iterable[StepRecord], streak: int, at_floor: bool, optimizers: int
+    record: StepRecord,
+    history: Iterable[StepRecord],
+    streak: int,
+    at_floor: bool,
+    optimizers: int,
+    scaler: Optional[DynamicLossScaler] = None,
 ) -> str:
     """Why the guard stopped the run at the skipped step ``record``: the culprits, whether the loss was finite, the
-    recent scales (``streak``: skips in a row of its optimizer; ``optimizers``: how many have stepped)."""
+    recent scales (``streak``: skips in a row of its optimizer; ``optimizers``: how many have stepped), and a hint
+    that fits the cause (``scaler``: the run's, ``None`` without loss scaling)."""
     names = record.nonfinite_params
     culprits = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
     trail = ", ".join(f"{r.scale:g}{'*' if r.skipped else ''}" for r in list(history)[-12:])
@@ -73,8 +79,53 @@ def stop_message(
         f"  step {record.step}: parameters with non-finite gradients: {culprits or '(none found)'}\n"
         f"  the loss itself was {'finite' if record.loss_finite else 'NON-FINITE (inf/NaN in the forward pass)'}\n"
         f"  recent loss scales (* = skipped): {trail}\n"
-        "  hint: lower the learning rate, clip gradients (Trainer(gradient_clip_val=...)), check the data and the "
-        "loss for inf/NaN, or use MPTPrecision('bf16'), whose range does not overflow."
+        f"  hint: {stop_hint(record, streak, at_floor, scaler)}"
+    )
+
+
+def stop_hint(record: StepRecord, streak: int, at_floor: bool, scaler: Optional[DynamicLossScaler]) -> str:
+    """What helps, by cause of the stop. Clipping and a lower learning rate are not offered: clipping acts on the
+    unscaled gradients after the overflow has happened, and a skipped step applies no update for the learning rate to
+    scale, so neither prevents the next overflow (measured: the same steps skip with either).
+
+    Args:
+        record: the skipped step that stopped the run.
+        streak: skipped steps in a row of its optimizer, this one included.
+        at_floor: whether it overflowed at the scaler's ``min_scale``.
+        scaler: the run's scaler, ``None`` without loss scaling.
+
+    Example:
+        ```python
+        record = StepRecord(step=2, scale=2.0**22, skipped=True)
+        assert "use the dynamic scaler" in stop_hint(record, 3, False, DynamicLossScaler.static(2.0**22))
+        ```
+    """
+    if not record.loss_finite:
+        return (
+            "the loss itself is inf/NaN: no loss scale changes that. Check the data and the loss (a log of 0, a "
+            "division by 0); activations above fp16's max (65504) fit in bf16: MPTPrecision('bf16')."
+        )
+    if scaler is None:  # no loss scaling (bf16): the gradients themselves are inf/NaN
+        return "the gradients are inf/NaN with no loss scale at all: check the data, the loss and the parameters named."
+    if scaler.is_static:
+        return (
+            f"a static loss scale ({record.scale:g}) never backs off: use the dynamic scaler (scaler=None), which "
+            "backs off to a scale the gradients fit, or a lower static scale."
+        )
+    if at_floor:
+        lower = f"lower min_scale (now {scaler.min_scale:g}) or " if scaler.min_scale > 1 else ""
+        return (
+            f"the gradients overflow fp16 even at scale {record.scale:g}: {lower}use MPTPrecision('bf16'), whose range "
+            "holds them."
+        )
+    if record.step + 1 == streak:  # every step so far skipped: the scale started too high
+        return (
+            "the dynamic scale kept backing off from too high a start: start lower (DynamicLossScaler(init_scale="
+            "'auto') measures the first scale from the first gradients), or raise max_consecutive_skips."
+        )
+    return (
+        f"the gradients grew past fp16's range at every scale tried since step {record.step + 1 - streak}: raise "
+        "max_consecutive_skips to let the scale back off further, or use MPTPrecision('bf16'), whose range holds them."
     )
 
 
@@ -157,7 +208,9 @@ class StepLog:
             warnings.warn(measuring_skipped(scale, loss_finite, scaler.scale if scaler else scale), stacklevel=2)
         if at_floor or self.consecutive[optimizer] >= self.max_consecutive_skips:
             streak = self.consecutive[optimizer]
-            raise NonFiniteGradientError(stop_message(record, self.history, streak, at_floor, len(self.consecutive)))
+            raise NonFiniteGradientError(
+                stop_message(record, self.history, streak, at_floor, len(self.consecutive), scaler)
+            )
         return record
 
     def _record(self, optimizer: int, scale: float, loss_finite: bool, skipped: bool) -> StepRecord:

@@ -331,9 +331,14 @@ class ScaleTracker:
         self.summary(sink, step)
 
     def summary(self, sink: Sink, step: int) -> None:
-        """At the end of training: the parameters most often non-finite, when a loss scale was followed."""
+        """At the end of training: the parameters most often non-finite, when a loss scale was followed. Without one
+        (Lightning's ``"bf16-mixed"``) the record still holds the steps trained, the report's step count (the scalars
+        of the last steps may not have been logged), with no skip counts (``skipped_steps`` null)."""
         if self.source is not None:
             self.log.summary(sink, step)
+        elif self.log.enabled and sink.active:
+            with self.log.guarded():
+                sink.record(tags.SUMMARY_RECORD, {"step": step, "skipped_steps": None, "params": {}}, step)
 
     def discard(self) -> None:
         """Drop the pending GradScaler step (the fit is over)."""

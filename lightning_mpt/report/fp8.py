@@ -2,7 +2,7 @@
 
 Example:
     ```python
-    from lightning_mpt.report_events import load_runs
+    from lightning_mpt.report.events import load_runs
 
     runs, _ = load_runs("runs")
     for row in fp8_rows(runs[0])[:3]:
@@ -12,14 +12,12 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from lightning_mpt.diagnostics import tags
-from lightning_mpt.report_events import RunData
+from lightning_mpt.report.data import Advice, Fp8Row, RunData, RunSummary
 
-if TYPE_CHECKING:
-    from lightning_mpt.report import RunSummary
+__all__ = ["fp8_lines", "fp8_rows", "is_bad", "keep_in_bf16"]
 
 #: a layer whose fp8 cast saturates at least this share of a role's values, at some logged step, is named
 SATURATED_SHARE = 0.001
@@ -27,22 +25,21 @@ SATURATED_SHARE = 0.001
 FLUSH_SHARE = 0.01
 
 
-@dataclass(frozen=True)
-class Fp8Row:
-    """One layer and role of the fp8 casts over the logged steps: worst saturation, mean and max flush, last scale."""
+def is_bad(row: Fp8Row) -> bool:
+    """Whether the casts of ``row`` saturate or flush enough values to name the layer (the thresholds above).
 
-    layer: str
-    role: str
-    saturated: float  # max over logged steps
-    flush: float  # mean over logged steps
-    flush_max: float
-    subnormal: float  # mean over logged steps
-    amax: Optional[float]  # last logged
-    scale: Optional[float]  # last logged
+    Args:
+        row: one layer and role of the fp8 casts.
 
-    @property
-    def bad(self) -> bool:
-        return self.saturated >= SATURATED_SHARE or self.flush >= FLUSH_SHARE
+    Example:
+        ```python
+        from lightning_mpt.report.data import Fp8Row
+
+        assert is_bad(Fp8Row("fc1", "input", 0.0, 0.05, 0.06, 0.6, 90.0, 0.011))      # 5% flushed
+        assert not is_bad(Fp8Row("fc2", "input", 0.0, 0.001, 0.002, 0.0, 1.0, 448.0))
+        ```
+    """
+    return row.saturated >= SATURATED_SHARE or row.flush >= FLUSH_SHARE
 
 
 def _per_role(run: RunData, tag: str) -> dict[tuple[str, str], list[float]]:
@@ -92,11 +89,9 @@ def fp8_lines(rows: list[Fp8Row], top: int) -> list[str]:
     return lines
 
 
-def keep_in_bf16(run: RunData, summary: RunSummary, facts: Any) -> Optional[Any]:
+def keep_in_bf16(run: RunData, summary: RunSummary, facts: Any) -> Optional[Advice]:
     """Advice: the layers whose fp8 casts saturate or flush a lot, with the ``fp8_filter`` that keeps them in bf16."""
-    from lightning_mpt.report_advice import Advice
-
-    bad = [r for r in summary.fp8 if r.bad]
+    bad = [r for r in summary.fp8 if is_bad(r)]
     if not bad:
         return None
     layers = sorted({r.layer for r in bad})

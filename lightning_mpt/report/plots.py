@@ -1,4 +1,4 @@
-"""PNG plots of a :class:`~lightning_mpt.report.Report` (needs matplotlib: ``pip install lightning-mpt[plots]``).
+"""PNG plots of a :class:`~lightning_mpt.report.data.Report` (needs matplotlib: ``pip install lightning-mpt[plots]``).
 
 Figures are built with matplotlib's object API (``Figure``, no ``pyplot``), so writing them changes no global
 state: no backend switch, no open windows, nothing left in a notebook.
@@ -6,7 +6,7 @@ state: no backend switch, no open windows, nothing left in a notebook.
 Example:
     ```python
     from lightning_mpt.report import build_report
-    from lightning_mpt.report_plots import write_plots
+    from lightning_mpt.report.plots import write_plots
 
     paths = write_plots(build_report("runs"), "runs/report")   # ImportError without matplotlib
     ```
@@ -20,9 +20,16 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_mpt.diagnostics import tags
-from lightning_mpt.report import UNDERFLOW_TAGS, ExponentHistogram, Report, RunData, RunSummary, format_scale
+from lightning_mpt.report.data import UNDERFLOW_TAGS, ExponentHistogram, Report, RunData, RunSummary, format_scale
 
-__all__ = ["plot_exponents", "plot_scale", "plot_underflow_heatmap", "underflow_figure", "write_plots"]
+__all__ = [
+    "exponent_figure",
+    "plot_exponents",
+    "plot_scale",
+    "plot_underflow_heatmap",
+    "underflow_figure",
+    "write_plots",
+]
 
 SCALE_PNG = "scale.png"
 HEATMAP_PNG = "underflow_heatmap.png"
@@ -99,7 +106,8 @@ def plot_underflow_heatmap(run: RunData, summary: RunSummary, path: Union[str, P
 
 def underflow_figure(run: RunData, summary: RunSummary) -> Any:
     """The matplotlib ``Figure`` of :func:`plot_underflow_heatmap`: a heatmap over the optimizer steps, or bars when
-    the underflow was logged at one step only (a heatmap of one column would invent a time axis around it).
+    the underflow was logged at one step only (a heatmap of one column would invent a time axis around it), or the
+    words "No underflow" when every logged value is 0.
 
     Args:
         run: the run's data (:func:`lightning_mpt.report.load_runs`).
@@ -112,6 +120,7 @@ def underflow_figure(run: RunData, summary: RunSummary) -> Any:
         report = build_report("runs")
         fig = underflow_figure(report.data[0], report.runs[0])
         print(fig.axes[0].get_xlabel())   # "optimizer step", or "flush fraction (%)" for one logged step
+        # a run that lost nothing gets a figure that says so ("No underflow: ..."), not a blank heatmap
         ```
     """
     import numpy as np
@@ -123,6 +132,11 @@ def underflow_figure(run: RunData, summary: RunSummary) -> Any:
     per_param = run.per_parameter(tag)
     names = [r.name for r in summary.worst_underflow][:MAX_HEATMAP_ROWS]
     steps = sorted({s for n in names for s, _ in per_param[n]})
+    if not any(v > 0 for n in names for _, v in per_param[n]):  # an all-zero heatmap would be a blank plot
+        return _nothing(
+            f"No underflow: the {UNDERFLOW_TAGS[tag]} was 0% for all {len(names)} parameters at all "
+            f"{len(steps)} logged steps"
+        )
     fig, ax = _figure(8, 1.6 + 0.28 * len(names))
     total = len(summary.worst_underflow)
     shown = f"of the worst {len(names)} of {total} parameters" if total > len(names) else "by parameter"
@@ -158,7 +172,26 @@ def underflow_figure(run: RunData, summary: RunSummary) -> Any:
 def plot_exponents(hist: ExponentHistogram, path: Union[str, Path], scale: Optional[float] = None) -> Path:
     """The exponent histogram ``floor(log2|g * scale|)`` of the stored gradients at the last logged step, with the
     format's flush region, subnormal range, min normal and max marked; zeros and inf/NaN in their own bars.
-    ``scale``, the loss scale at that step, goes into the title."""
+    ``scale``, the loss scale at that step, goes into the title (see :func:`exponent_figure`)."""
+    return _save(exponent_figure(hist, scale), path)
+
+
+def exponent_figure(hist: ExponentHistogram, scale: Optional[float] = None) -> Any:
+    """The matplotlib ``Figure`` of :func:`plot_exponents`.
+
+    Args:
+        hist: the summed exponent histogram (``RunSummary.exponents``).
+        scale: the loss scale at its step, for the title.
+
+    Example:
+        ```python
+        from lightning_mpt.report import build_report
+
+        (run,) = build_report("runs").runs
+        labels = [t.get_text() for t in exponent_figure(run.exponents).axes[0].get_xticklabels()]
+        assert labels[0] == "zero" and labels[-1] == "inf/NaN" and labels.count("0") == 1
+        ```
+    """
     fmt = hist.fmt
     lo, normal, hi = fmt.min_exponent, fmt.normal_exponent, fmt.max_exponent
     fig, ax = _figure(8, 3.8)
@@ -181,9 +214,10 @@ def plot_exponents(hist: ExponentHistogram, path: Union[str, Path], scale: Optio
             text, (x, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha=side, fontsize="x-small"
         )
     every = 4 if fmt.name == "fp16" else 32
-    # exponent ticks, minus those that would collide with the "0" and "inf/NaN" labels at the ends
+    # exponent ticks, minus those that would collide with the "zero" and "inf/NaN" labels at the ends; the bar of
+    # exact zeros is "zero", not "0", which is the tick of exponent 0 (2^0 = 1)
     ticks = [t for t in range(lo, hi + 1) if t % every == 0 and lo - 3 + every / 2 <= t <= hi + 3 - every / 2]
-    ax.set_xticks([lo - 3, *ticks, hi + 3], ["0", *map(str, ticks), "inf/NaN"], fontsize="small")
+    ax.set_xticks([lo - 3, *ticks, hi + 3], ["zero", *map(str, ticks), "inf/NaN"], fontsize="small")
     ax.set_xlim(lo - 4, hi + 4)
     ax.set_yscale("symlog", linthresh=1)  # the one inf and the bulk of the values on one chart
     ax.set_xlabel("exponent floor(log2 |g x scale|) of the stored gradient")
@@ -191,7 +225,15 @@ def plot_exponents(hist: ExponentHistogram, path: Union[str, Path], scale: Optio
     at = f"step {hist.step}" + (f", loss scale {format_scale(scale)}" if scale is not None else "")
     ax.set_title(f"Stored {fmt.name} gradients at {at} ({len(hist.parameters)} parameters)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="x-small")
-    return _save(fig, path)
+    return fig
+
+
+def _nothing(message: str) -> Any:
+    """A small figure whose one (bare) axes says ``message``, instead of a plot with nothing on it."""
+    fig, ax = _figure(8, 2)
+    ax.axis("off")
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+    return fig
 
 
 def _figure(width: float, height: float) -> tuple[Any, Any]:
