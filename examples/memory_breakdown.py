@@ -1,6 +1,6 @@
 """Where the memory goes under each precision: bytes per parameter and saved-activation bytes per step, measured.
 
-    python examples/memory_breakdown.py                 # all precisions on the BERT example's model, ~1 min on CPU
+    python examples/memory_breakdown.py                 # all precisions on the BERT example's model, ~4 s on CPU
     python examples/memory_breakdown.py --model vit     # or resnet
     python examples/memory_breakdown.py --fast          # a few seconds (what the tests run)
 

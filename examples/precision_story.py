@@ -1,7 +1,7 @@
 """The demo that tells the story: a real overflow and the scaler's recovery, gradients that underflow at a low scale,
 and what ``lightning-mpt report`` advises.
 
-    python examples/precision_story.py            # about 16 s on 2 CPU cores; runs/story, then the report
+    python examples/precision_story.py            # about 5 s on 2 quiet CPU cores; runs/story, the report
     python examples/precision_story.py --fast     # 60 steps: the same story, shorter (a few seconds)
     lightning-mpt report runs/story               # the same report again; plots in runs/story/report
     tensorboard --logdir runs/story               # then http://localhost:6006/#custom_scalars&_smoothingWeight=0

@@ -1,6 +1,6 @@
 """Quickstart: train a small classifier with MPTPrecision("fp16") on CPU and write a TensorBoard log.
 
-    python examples/quickstart.py              # about 20 s on 2 CPU cores
+    python examples/quickstart.py              # about 4 s on 2 quiet CPU cores
     python examples/quickstart.py --fast       # 60 steps, a few seconds (what the tests run)
     tensorboard --logdir runs                  # scalars under mpt/ and the "Mixed precision" dashboard
 
