@@ -1,6 +1,6 @@
 """Regenerate the images of docs/report.md from a real training run.
 
-    python scripts/make_screenshots.py        # about a minute on 2 CPU cores
+    python scripts/make_screenshots.py        # about 10 s on 2 quiet CPU cores
 
 Needs matplotlib (``pip install -e .[plots]``) and Chromium (Debian: ``apt-get install -y chromium``). It
 
