@@ -1,6 +1,6 @@
 """A small BERT-like encoder fine-tuned with MPTPrecision on a synthetic sentiment task, with torchmetrics accuracy.
 
-    python examples/bert_finetune.py               # fp16, under a minute on 2 CPU cores
+    python examples/bert_finetune.py               # fp16, about 9 s on 2 quiet CPU cores
     python examples/bert_finetune.py --fast        # a few seconds (what the tests run)
     tensorboard --logdir runs                      # runs/bert_finetune: train_loss, train_acc, val_acc, lr, loss_scale
 

@@ -1,6 +1,7 @@
 """fp8 compute with torchao: a small GPT-style transformer trained with MPTPrecision("bf16", fp8=...).
 
     python examples/fp8_transformer.py                 # a few seconds on 2 CPU cores (fp8 emulated on a CPU)
+    python examples/fp8_transformer.py --fast          # 10 steps (what the tests run)
     lightning-mpt report runs/fp8                      # the fp8 casts by layer and role, and the advice
     tensorboard --logdir runs/fp8                      # mpt/fp8/... in the "Mixed precision" dashboard
 
@@ -105,7 +106,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--outlier", type=float, default=1e4, help="the first MLP input's outlier (1: none)")
     parser.add_argument("--logdir", default="runs/fp8")
     parser.add_argument("--every", type=int, default=5, help="optimizer steps between fp8 statistics")
+    parser.add_argument("--fast", action="store_true", help="10 steps (what the tests run)")
     args = parser.parse_args(argv)
+    if args.fast:  # fewer steps by default; a --steps given explicitly still wins
+        parser.set_defaults(steps=10)
+        args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     model = TinyGPT(d_model=args.d_model, layers=args.layers, outlier=args.outlier)

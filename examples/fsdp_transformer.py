@@ -1,6 +1,6 @@
 """A small GPT-style transformer trained with FSDP2 (Lightning's ``ModelParallelStrategy``) and MPTPrecision.
 
-    python examples/fsdp_transformer.py               # 2 CPU processes (gloo), fp16 with a dynamic loss scale
+    python examples/fsdp_transformer.py               # 2 CPU processes (gloo), fp16, dynamic scale, ~35 s
     python examples/fsdp_transformer.py --fast        # a few seconds (what the tests run)
     tensorboard --logdir runs                         # runs/fsdp_transformer: train_loss and the loss-scale charts
 

@@ -1,7 +1,7 @@
 """How much a long gradient accumulation loses when micro-batches are summed in the half format, and what
 ``MPTPrecision(accumulate_fp32=True)`` gives back, measured against an fp64 reference of the same gradient.
 
-    python examples/grad_accumulation.py                  # 64, 256 and 1024 micro-batches, fp16 and bf16 (~1 min)
+    python examples/grad_accumulation.py                  # 64, 256 and 1024 micro-batches, fp16 and bf16 (~9 s)
     python examples/grad_accumulation.py --micro-batches 64
     python examples/grad_accumulation.py --fast           # what the tests run
 

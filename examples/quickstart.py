@@ -1,6 +1,7 @@
 """Quickstart: train a small classifier with MPTPrecision("fp16") on CPU and write a TensorBoard log.
 
-    python examples/quickstart.py              # about 20 s on 2 CPU cores
+    python examples/quickstart.py              # about 4 s on 2 quiet CPU cores
+    python examples/quickstart.py --fast       # 60 steps, a few seconds (what the tests run)
     tensorboard --logdir runs                  # scalars under mpt/ and the "Mixed precision" dashboard
 
 Flags scale it up on a GPU: --accelerator gpu --hidden 1024 --steps 2000 --precision fp16
@@ -69,7 +70,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--logdir", default="runs")
     p.add_argument("--name", default="quickstart")
+    p.add_argument("--fast", action="store_true", help="60 steps (what tests/test_examples.py runs)")
     args = p.parse_args(argv)
+    if args.fast:  # fewer steps by default; a --steps given explicitly still wins
+        p.set_defaults(steps=60)
+        args = p.parse_args(argv)
 
     L.seed_everything(0, verbose=False)
     train = DataLoader(synthetic(4096, 32, 8, 0), batch_size=args.batch_size, shuffle=True)

@@ -1,6 +1,6 @@
 """A small ResNet (BatchNorm, residual blocks) trained with MPTPrecision on synthetic images.
 
-    python examples/resnet_synthetic.py            # fp16, about a minute on 2 CPU cores
+    python examples/resnet_synthetic.py            # fp16, about 70 s on 2 quiet CPU cores
     python examples/resnet_synthetic.py --fast     # a few seconds (what the tests run)
     tensorboard --logdir runs                      # runs/resnet_synthetic: train_loss, val_acc, loss_scale
 

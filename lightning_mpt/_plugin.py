@@ -381,12 +381,19 @@ def supported_strategies(loop: Loop) -> str:
     )
 
 
+_HALF_KEPT_SAID: set[str] = set()  # the notes said in this process
+
+
 def report_half_kept(names: list[str]) -> None:
-    """Say which norm layers FSDP2 all-gathers in the half format with their block."""
+    """Say which norm layers FSDP2 all-gathers in the half format with their block, once per process for the same
+    layers (each fit of the same model converts it again)."""
     shown = ", ".join(names[:8]) + (" and more" if len(names) > 8 else "")
-    rank_zero_info(
+    note = (
         f"MPTPrecision: FSDP2 all-gathers the parameters of {shown} in the half format with the block they belong to "
         "(one policy per fully_shard group). Their fp32 masters, gradients, optimizer state and buffers stay fp32 "
         "and autocast runs norm ops in fp32. To compute with fp32 weights too, shard each of them on its own before "
         "its block: fully_shard(norm, mesh=mesh)."
     )
+    if note not in _HALF_KEPT_SAID:
+        _HALF_KEPT_SAID.add(note)
+        rank_zero_info(note)

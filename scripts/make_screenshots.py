@@ -1,6 +1,6 @@
 """Regenerate the images of docs/report.md from a real training run.
 
-    python scripts/make_screenshots.py        # about a minute on 2 CPU cores
+    python scripts/make_screenshots.py        # about 10 s on 2 quiet CPU cores
 
 Needs matplotlib (``pip install -e .[plots]``) and Chromium (Debian: ``apt-get install -y chromium``). It
 
@@ -10,7 +10,8 @@ Needs matplotlib (``pip install -e .[plots]``) and Chromium (Debian: ``apt-get i
    gradient at two steps; and ``unscaled``, a static scale of 1, where fp16 flushes the small gradients;
 2. runs ``lightning-mpt report`` on it: the PNGs go to docs/img/report/, the text to docs/img/report.txt;
 3. starts TensorBoard on it and takes a screenshot of the Custom Scalars "Mixed precision" dashboard with headless
-   Chromium: docs/img/dashboard.png.
+   Chromium, at the address ``make demo`` prints (``dashboard_url()``) in a fresh profile: docs/img/dashboard.png,
+   the dashboard as it opens.
 
 ``serve_tensorboard`` is also what tests/test_dashboard_server.py runs TensorBoard with.
 """
@@ -213,10 +214,20 @@ def screenshot(logdir: Path, path: Path, steps: int, chromium: str, size: str, b
                 # virtual time runs the page's timers (data fetches, chart animation) before the picture is taken
                 f"--virtual-time-budget={budget_ms}",
                 f"--screenshot={path}",
-                url + "#custom_scalars&_smoothingWeight=0",  # TensorBoard keeps its settings in the URL: raw values
+                opened_at(url),
             ]
             subprocess.run(command, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _shrink(path)
+
+
+def opened_at(url: str) -> str:
+    """The dashboard's address that ``make demo`` and the README print, on the server at ``url``: what a user sees."""
+    from lightning_mpt.diagnostics.dashboard import dashboard_url
+
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"expected TensorBoard's address with a host and a port, got {url!r}")
+    return dashboard_url(parsed.hostname, parsed.port)
 
 
 def _shrink(path: Path) -> None:

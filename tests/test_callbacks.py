@@ -1,4 +1,5 @@
-"""The diagnostic callbacks with a real Trainer, read back from TensorBoard event files (DESIGN.md §4, §5)."""
+"""The diagnostic callbacks with a real Trainer, read back from TensorBoard event files (docs/concepts.md#definitions,
+docs/concepts.md#tensorboard-tags)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from lightning_mpt.callbacks import (
 )
 from lightning_mpt.callbacks._monitor import Monitor
 from lightning_mpt.core.numerics import FP16, flush_counts
+from lightning_mpt.diagnostics.dashboard import SCALE_TITLE
 from lightning_mpt.diagnostics.recorder import Recorder
 from lightning_mpt.diagnostics.sink import Sink
 from lightning_mpt.diagnostics.statistic import STRICT_ENV, Statistic
@@ -160,7 +162,7 @@ def test_dashboard_layout_written_once(fp16_run):
     (layout,) = layouts(ea)
     assert [c.title for c in layout.category] == [CATEGORY] == ["Mixed precision"]
     charts = {c.title: list(c.multiline.tag) for c in layout.category[0].chart}
-    assert charts["Loss scale"] == ["mpt/loss_scale$"]
+    assert charts[SCALE_TITLE] == ["mpt/loss_scale_log2$"]
     assert "mpt/skipped_steps$" in charts["Skipped steps (cumulative) and overflows (0/1)"]
     assert any("mpt/grad_underflow_fraction$" in tags for tags in charts.values())
     assert any("mpt/update_underflow_fraction$" in tags for tags in charts.values())
@@ -174,7 +176,7 @@ def test_dashboard_written_once_per_run_across_fits(tmp_path):
         trainer.fit(TinyMLP(), regression_data())
     (layout,) = layouts(read_events(logger.log_dir))
     assert [c.title for c in layout.category[0].chart][:2] == [
-        "Loss scale",
+        SCALE_TITLE,
         "Skipped steps (cumulative) and overflows (0/1)",
     ]
     assert not any("fraction" in c.title for c in layout.category[0].chart)  # only the monitors present

@@ -8,6 +8,7 @@ scripts/make_screenshots.py uses for the docs' screenshot.
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from types import ModuleType
 
@@ -18,6 +19,7 @@ from models import InjectInf, TinyMLP, quiet_trainer, regression_data
 
 from lightning_mpt import DynamicLossScaler, MPTPrecision
 from lightning_mpt.callbacks import CATEGORY, GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
+from lightning_mpt.diagnostics.dashboard import SCALE_TITLE
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -74,7 +76,7 @@ def test_layout_has_the_mixed_precision_category(served) -> None:
     layout = tb.get_json(url, "/data/plugin/custom_scalars/layout")
     assert [c["title"] for c in layout["category"]] == [CATEGORY] == ["Mixed precision"]
     charts = {c["title"]: c["multiline"]["tag"] for c in layout["category"][0]["chart"]}
-    assert charts["Loss scale"] == ["mpt/loss_scale$"]
+    assert charts[SCALE_TITLE] == ["mpt/loss_scale_log2$"]
     assert tb.get_json(url, "/data/runs") == [RUN]
 
 
@@ -97,5 +99,7 @@ def test_every_chart_of_the_dashboard_has_data(served) -> None:
             drawn.update(answer["tag_to_events"])
         assert drawn, f"chart {chart['title']!r} is empty: no tag matches {chart['multiline']['tag']}"
         assert all(tag.startswith("mpt/") for tag in drawn)
-    scale = tb.get_json(url, "/data/plugin/custom_scalars/scalars", run=RUN, tag="mpt/loss_scale$")
-    assert [(s, v) for _, s, v in scale["tag_to_events"]["mpt/loss_scale"]] == history
+    scale = tb.get_json(url, "/data/plugin/custom_scalars/scalars", run=RUN, tag="mpt/loss_scale_log2$")
+    assert [(s, v) for _, s, v in scale["tag_to_events"]["mpt/loss_scale_log2"]] == [
+        (step, math.log2(value)) for step, value in history
+    ]

@@ -161,3 +161,14 @@ def test_the_strict_docs_build_fails_on_a_broken_link_and_says_so(tmp_path: Path
     output = build.stdout + build.stderr
     assert build.returncode != 0, output[-3000:]
     assert "does-not-exist.md" in output, output[-3000:]
+
+
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if "\ndef main(" in p.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_takes_fast(example: Path) -> None:
+    """README: every example has ``--fast`` (the test suite runs them so): its own flag or ``example_parser``'s."""
+    source = example.read_text(encoding="utf-8")
+    assert '"--fast"' in source or "example_parser(" in source, f"{example.name} has no --fast flag"
+    assert "--fast" in source.split('"""')[1], f"{example.name}'s docstring does not show --fast"

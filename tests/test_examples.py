@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_quickstart(tmp_path: Path) -> None:
-    out = quickstart.main(["--steps", "60", "--logdir", str(tmp_path)])
+    out = quickstart.main(["--fast", "--logdir", str(tmp_path)])
     assert out["steps"] == 60
     assert out["skipped_steps"] == 0
     assert out["val_acc"] > 0.5  # 8 classes: chance is 0.125
@@ -294,7 +294,7 @@ def test_fp8_transformer_names_the_outlier_layer(tmp_path: Path, capsys: pytest.
 
     from lightning_mpt.report import build_report
 
-    out = fp8_transformer.main(["--steps", "10", "--every", "5", "--logdir", str(tmp_path)])
+    out = fp8_transformer.main(["--fast", "--logdir", str(tmp_path)])
     assert out["losses"][-1] < out["losses"][0]
     report = build_report(tmp_path)
     assert (report.runs[0].fp8[0].layer, report.runs[0].fp8[0].role) == ("blocks.0.fc1", "input")

@@ -1081,7 +1081,7 @@ def test_litgpt_example_under_fsdp2_on_two_processes(tmp_path):
     assert set(summaries) == {"mpt-fp16", "bf16-mixed"}, output[-5000:]
     values = {name: dict(kv.split("=", 1) for kv in line.split(", ")) for name, line in summaries.items()}
     mpt, ref = values["mpt-fp16"], values["bf16-mixed"]
-    assert mpt["steps"] == ref["steps"] == "40"
+    assert mpt["steps"] == ref["steps"] == "20"
     assert float(mpt["last_loss"]) < 0.8 * float(mpt["first_loss"])
     assert abs(float(mpt["last_loss"]) - float(ref["last_loss"])) < 0.15 * float(ref["last_loss"])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -1090,7 +1090,7 @@ def test_litgpt_example_under_fsdp2_on_two_processes(tmp_path):
     acc.Reload()
     names = set(acc.Tags()["scalars"])
     assert {"mpt/loss_scale", "mpt/grad_zero_fraction", "mpt/scale_headroom", "train_loss"} <= names
-    assert len(acc.Scalars("mpt/loss_scale")) == 40
+    assert len(acc.Scalars("mpt/loss_scale")) == 20
 
 
 def test_a_16_mixed_checkpoint_with_its_precision_resumes_at_its_gradscalers_scale(tmp_path):

@@ -8,8 +8,10 @@ process group of one.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -560,6 +562,23 @@ def test_accepted_shardings(one_process):
     assert check_sharding(model, torch.bfloat16) == ["block.1"]
     with pytest.raises(ValueError, match="master_weights=False"):
         MPTPrecision("bf16", master_weights=False).convert_module(model)
+
+
+def test_a_norm_layer_in_a_half_group_is_reported_once_per_process(one_process, caplog):
+    """An example or a sweep that fits the same model twice (two precisions) is told once, not at every fit."""
+    caplog.set_level(logging.INFO)  # rank_zero_info: an INFO record of Lightning's logger
+    for fmt in ("bf16", "fp16"):
+        model = nn.Sequential(collections.OrderedDict(reported_once=Net()))  # names no other test's note has
+        plugin = MPTPrecision(fmt)
+        fully_shard(model, mp_policy=plugin.mp_policy)
+        plugin.convert_module(model)
+        plugin.teardown()
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if "all-gathers the parameters of reported_once.block.1 " in r.getMessage()
+    ]
+    assert len(said) == 1, caplog.text
 
 
 def test_sharded_masters_skip_a_non_finite_step_and_name_the_parameter(one_process):

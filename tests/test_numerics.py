@@ -1,4 +1,5 @@
-"""The numerics of DESIGN.md §4 on hand-built tensors, checked against torch's own rounding and Python's frexp."""
+"""The numerics of docs/concepts.md#definitions on hand-built tensors, checked against torch's own rounding and
+Python's frexp."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MPTPrecision through real Lightning Trainers: dtypes and masters, Example 1, skipped steps, clipping,
+"""MPTPrecision through real Lightning Trainers: dtypes and masters, one weight update, skipped steps, clipping,
 accumulation, manual optimization, the guard, fused/foreach optimizers, bad input."""
 
 import math
@@ -143,11 +143,11 @@ def test_masters_are_taken_before_the_cast():
         assert not torch.equal(master, original[name].half().float())
 
 
-# ---------------------------------------------------------------------------------------------------- Example 1
+# ---------------------------------------------------------------------------------------------- one weight update
 
 
 class OneWeight(L.LightningModule):
-    """The seeds' Example 1: one weight w=0.5 with a constant gradient 0.003."""
+    """One weight update worked out (docs/concepts.md): one weight w=0.5 with a constant gradient 0.003."""
 
     def __init__(self):
         super().__init__()
@@ -253,7 +253,7 @@ def test_norm_clipping_acts_on_unscaled_gradients(precision):
     _, unclipped = train_weights({"precision": "32-true"})
     for n in start:
         d_ref, d_got = (ref[n] - start[n]).flatten(), (got[n] - start[n]).flatten()
-        # with the scaled gradients clipped (the seeds' "Mistake 1") the update would be 65536x smaller
+        # with the scaled gradients clipped (clipping before unscaling) the update would be 65536x smaller
         assert torch.nn.functional.cosine_similarity(d_ref, d_got, dim=0) > 0.99, n
         assert d_got.norm() == pytest.approx(d_ref.norm().item(), rel=0.05), n
     # and clipping did act: the unclipped run moves further

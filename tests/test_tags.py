@@ -115,7 +115,7 @@ def test_the_scan_finds_private_symbols(tmp_path: Path) -> None:
     ],
 )
 def test_design_tags_keep_their_names(tag: str) -> None:
-    """DESIGN.md §5 fixes these names; the module is the only place that spells them."""
+    """docs/concepts.md#tensorboard-tags fixes these names; the module is the only place that spells them."""
     assert tag in {
         "mpt/loss_scale",
         "mpt/skipped_steps",

@@ -1,4 +1,6 @@
-"""Diagnostic callbacks: the numerics of a mixed-precision run in TensorBoard (tags of DESIGN.md §5, under ``mpt/``).
+"""Diagnostic callbacks: the numerics of a mixed-precision run in TensorBoard, under the ``mpt/`` tags.
+
+The tags and the numbers' definitions: docs/concepts.md#tensorboard-tags and docs/concepts.md#definitions.
 
 Example:
     ```python

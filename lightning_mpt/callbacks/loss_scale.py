@@ -21,7 +21,8 @@ class LossScaleMonitor(Monitor):
     Works with :class:`~lightning_mpt.MPTPrecision` (read from the plugin's step history, no extra host sync) and
     with Lightning's ``"16-mixed"`` and its ``torch.amp.GradScaler`` (an overflow shows as the scale backing off).
 
-    Tags: ``mpt/loss_scale`` (the scale the step's gradients were computed with), ``mpt/skipped_steps``,
+    Tags: ``mpt/loss_scale`` (the scale the step's gradients were computed with), ``mpt/loss_scale_log2`` (its
+    log2, which the dashboard draws as a step chart), ``mpt/skipped_steps``,
     ``mpt/overflow``, ``mpt/scale_change`` (``log2(new / old)`` at steps after which the scale changed),
     ``mpt/nonfinite_param_count`` and ``mpt/loss_nonfinite`` (skipped steps), the text ``mpt/nonfinite_params``
     (names) and, at the end of training, the text ``mpt/overflow_summary``. For programs, the records
@@ -51,7 +52,7 @@ class LossScaleMonitor(Monitor):
         ```
     """
 
-    charts = ("scale", "skips", "scale_change", "nonfinite")
+    charts = ("scale", "skips", "nonfinite")
 
     def __init__(self, every_n_steps: int = 1, max_names: int = 10, strict: Optional[bool] = None) -> None:
         super().__init__(strict)

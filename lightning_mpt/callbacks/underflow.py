@@ -38,7 +38,7 @@ class _Replay:
 class UnderflowMonitor(Monitor):
     """Log the fractions of gradient values that the half format zeroes, makes subnormal or overflows, the true
     flush fraction and scale headroom from an fp32 reference, and the share of weight updates a half-precision
-    weight would lose (DESIGN.md §4).
+    weight would lose (docs/concepts.md#definitions).
 
     Tags (global, and per parameter with ``/<param name>`` when ``per_parameter``): every ``every_n_steps``,
     ``mpt/grad_zero_fraction``, ``mpt/grad_subnormal_fraction``, ``mpt/grad_overflow_fraction``,

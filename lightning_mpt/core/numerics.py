@@ -1,6 +1,6 @@
 """Floating-point formats and batched statistics of tensors in them (pure torch, no Lightning).
 
-The definitions are those of the design contract (DESIGN.md §4):
+The definitions are those of docs/concepts.md#definitions:
 
 * **zero fraction**: exact zeros over all values of the stored half-precision tensor (structural zeros included);
 * **subnormal fraction**: stored values with ``0 < |x| < min normal``, over the nonzero finite values;
@@ -60,7 +60,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FloatFormat:
-    """A binary floating-point format: its range and precision (DESIGN.md §4).
+    """A binary floating-point format: its range and precision (docs/concepts.md#definitions).
 
     Example:
         ```python

@@ -1,14 +1,17 @@
 """The "Mixed precision" custom-scalars dashboard: its charts, and the layout TensorBoard's Custom Scalars tab reads.
 
 :meth:`~lightning_mpt.diagnostics.sink.Sink.layout` writes it once per ``SummaryWriter`` with the charts of the
-monitors present (every chart for Fabric's ``MixedPrecisionLogger``).
+monitors present (every chart for Fabric's ``MixedPrecisionLogger``). TensorBoard's charts have a linear y axis,
+smooth every line by 0.6 unless the address says otherwise, and join points with straight lines: the loss scale is
+drawn as its log2 (a step function whose steps are growths and back-offs, where a scale of 1 is 0, not lost under
+2^30), and :func:`dashboard_url` opens the dashboard unsmoothed.
 
 Example:
     ```python
-    from lightning_mpt.diagnostics.dashboard import CATEGORY, layout_dict, mixed_precision_layout
+    from lightning_mpt.diagnostics.dashboard import CATEGORY, SCALE_TITLE, layout_dict, mixed_precision_layout
     layout = mixed_precision_layout()
     assert layout.category[0].title == CATEGORY == "Mixed precision"
-    assert layout_dict(["scale"]) == {"Mixed precision": {"Loss scale": ["Multiline", ["mpt/loss_scale$"]]}}
+    assert layout_dict(["scale"]) == {"Mixed precision": {SCALE_TITLE: ["Multiline", ["mpt/loss_scale_log2$"]]}}
     ```
 """
 
@@ -22,7 +25,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from lightning_mpt.diagnostics import tags
 from lightning_mpt.diagnostics.tags import CATEGORY
 
-__all__ = ["CATEGORY", "CHARTS", "FP8_CHARTS", "dashboard_url", "layout_dict", "mixed_precision_layout"]
+__all__ = ["CATEGORY", "CHARTS", "SCALE_TITLE", "FP8_CHARTS", "dashboard_url", "layout_dict", "mixed_precision_layout"]
 
 
 def dashboard_url(host: str = "localhost", port: int = 6006) -> str:
@@ -51,14 +54,17 @@ def _per_parameter(tag: str) -> str:
     return tags.per_parameter(tag, "")  # every "<tag>/<name>"
 
 
-# key -> (title, tag regexes)
+#: the loss-scale chart's title: its axis is log2, so the title says how to read it
+SCALE_TITLE = "Loss scale, log2 (16 is 65536; 0 is a scale of 1)"
+
+# key -> (title, tag regexes). No chart of mpt/scale_change: its points (+1, -1 at changes only) joined by straight
+# lines draw a zigzag through values it never had; the log2 scale shows each change as a step of +1 or -1.
 CHARTS: dict[str, tuple[str, list[str]]] = {
-    "scale": ("Loss scale", [_exactly(tags.LOSS_SCALE)]),
+    "scale": (SCALE_TITLE, [_exactly(tags.LOSS_SCALE_LOG2)]),
     "skips": (
         "Skipped steps (cumulative) and overflows (0/1)",
         [_exactly(tags.SKIPPED_STEPS), _exactly(tags.OVERFLOW)],
     ),
-    "scale_change": ("Scale changes (log2 factor: +1 growth, -1 back-off)", [_exactly(tags.SCALE_CHANGE)]),
     "nonfinite": (
         "Skipped steps: parameters with inf/NaN grads, non-finite loss",
         [_exactly(tags.NONFINITE_PARAMS), _exactly(tags.LOSS_NONFINITE)],

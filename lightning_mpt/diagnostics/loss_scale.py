@@ -47,7 +47,8 @@ class LossScaleLog(Statistic):
     """The loss scale, skipped steps and their causes, from what each optimizer step reports (no tensors, no sync).
 
     Per optimizer step :meth:`step` writes ``mpt/loss_scale``, ``mpt/skipped_steps`` and ``mpt/overflow`` (every
-    ``every_n_steps`` steps, and at every skipped step and scale change), ``mpt/scale_change``; at a skipped step
+    ``every_n_steps`` steps, and at every skipped step and scale change), ``mpt/loss_scale_log2`` (at those steps
+    and the step after a change, so that its line is a step function), ``mpt/scale_change``; at a skipped step
     also ``mpt/nonfinite_param_count``, ``mpt/loss_nonfinite``, the text ``mpt/nonfinite_params`` and the record
     ``mpt/data/skipped_step`` (every name). :meth:`stopped` writes the record ``mpt/data/stopped``; :meth:`summary`
     the text ``mpt/overflow_summary`` and the record ``mpt/data/overflow_summary``.
@@ -66,6 +67,7 @@ class LossScaleLog(Statistic):
         self.overflow_counts: Counter[str] = Counter()
         self.overflows = 0  # skipped steps, cumulative (also across a resume)
         self.last_logged_step = -1  # the last step of a plugin's history logged by :meth:`history`
+        self._changed_at = -2  # the last step after which the scale changed: the next step logs the new scale's log2
 
     def history(self, sink: Sink, records: Sequence[Any], scale_now: float) -> None:
         """Log the steps of a plugin's ``history`` (``MPTPrecision.history``: records with ``step``, ``scale``,
@@ -102,12 +104,18 @@ class LossScaleLog(Statistic):
         with self.guarded():
             changed = after != scale
             values: dict[str, Optional[float]] = {}
-            if step % self.every_n_steps == 0 or skipped or changed:
+            logged = step % self.every_n_steps == 0 or skipped or changed
+            if logged:
                 values.update({
                     tags.LOSS_SCALE: scale,
                     tags.SKIPPED_STEPS: self.overflows,
                     tags.OVERFLOW: float(skipped),
                 })
+            # TensorBoard joins points with straight lines: a point on each side of a change draws a vertical step
+            if (logged or self._changed_at == step - 1) and 0 < scale < math.inf:
+                values[tags.LOSS_SCALE_LOG2] = math.log2(scale)
+            if changed:
+                self._changed_at = step
             if changed and scale > 0 and after > 0:
                 values[tags.SCALE_CHANGE] = math.log2(after / scale)
             if skipped:

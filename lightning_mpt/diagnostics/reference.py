@@ -1,9 +1,9 @@
 """The true flush (underflow) fraction and the scale headroom, from fp32 reference gradients of a batch.
 
 The stored half gradients have already lost the values that flushed to zero: only an fp32 reference of the same
-batch shows them (DESIGN.md §4). :func:`~lightning_mpt.diagnostics.replay.reference_gradients` computes it;
-:class:`FlushReference` counts it, reduces the counts across processes (:class:`FlushStatistics`, a torchmetrics
-``Metric``) and writes them.
+batch shows them (docs/concepts.md#definitions). :func:`~lightning_mpt.diagnostics.replay.reference_gradients`
+computes it; :class:`FlushReference` counts it, reduces the counts across processes (:class:`FlushStatistics`, a
+torchmetrics ``Metric``) and writes them.
 """
 
 from __future__ import annotations

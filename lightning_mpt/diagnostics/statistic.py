@@ -1,8 +1,9 @@
 """The unit of the diagnostics that fails alone: :class:`Statistic`, and strict mode.
 
-A diagnostic never stops a training run (DESIGN.md §3.16): an internal error in one statistic is one
-:class:`DiagnosticsWarning` with its traceback and turns that statistic off; the others and training go on. Strict
-mode (``strict=True``, or ``LIGHTNING_MPT_STRICT_DIAGNOSTICS=1`` as the tests run) raises the error instead.
+A diagnostic never stops a training run (docs/diagnostics.md#when-a-statistic-fails): an internal error in one
+statistic is one :class:`DiagnosticsWarning` with its traceback and turns that statistic off; the others and
+training go on. Strict mode (``strict=True``, or ``LIGHTNING_MPT_STRICT_DIAGNOSTICS=1`` as the tests run) raises the
+error instead.
 
 Example:
     ```python

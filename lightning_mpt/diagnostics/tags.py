@@ -1,7 +1,7 @@
 """Every TensorBoard tag lightning-mpt writes or reads, in one place.
 
 The diagnostic callbacks write these tags and ``lightning-mpt report`` reads them; both import the names from here
-and no other module spells a tag. The names of DESIGN.md §5 are a contract: ``mpt/loss_scale``,
+and no other module spells a tag. The names of docs/concepts.md#tensorboard-tags are a contract: ``mpt/loss_scale``,
 ``mpt/skipped_steps``, ``mpt/overflow``, ``mpt/grad_zero_fraction``, ``mpt/grad_subnormal_fraction``,
 ``mpt/grad_underflow_fraction``, ``mpt/update_underflow_fraction`` (global values; per-parameter ones append
 ``/<param name>``), the histograms ``mpt/grad/<param name>`` and ``mpt/grad_exponent/<param name>``, and the
@@ -33,10 +33,13 @@ from __future__ import annotations
 from typing import Optional
 
 PREFIX = "mpt/"
-CATEGORY = "Mixed precision"  # the custom-scalars category of the dashboard (DESIGN.md §5)
+CATEGORY = "Mixed precision"  # the custom-scalars category of the dashboard (docs/concepts.md#tensorboard-tags)
 
 # ---------------------------------------------------------------------------------- scalars: the loss scale
 LOSS_SCALE = "mpt/loss_scale"  # the scale the step's gradients were computed with
+# log2 of the scale, at the steps of LOSS_SCALE and the step after each change: the dashboard draws it as a step
+# chart on TensorBoard's linear axis, where a scale of 1 is 0 and 2^16 is 16
+LOSS_SCALE_LOG2 = "mpt/loss_scale_log2"
 SKIPPED_STEPS = "mpt/skipped_steps"  # cumulative
 OVERFLOW = "mpt/overflow"  # 0/1 per optimizer step
 SCALE_CHANGE = "mpt/scale_change"  # log2(new/old) at steps after which the scale changed (+1 growth, -1 back-off)

@@ -15,8 +15,9 @@ from lightning_mpt.diagnostics.statistic import PerParameter, ratio
 
 class UpdateUnderflow(PerParameter):
     """``mpt/update_underflow_fraction``: of the master weights an optimizer step changed, the share whose change a
-    half-precision weight would not see (DESIGN.md §4). :meth:`snapshot` copies the masters before the step (4 bytes
-    per parameter, transient), :meth:`measure` compares after it. A skipped step changes nothing: nothing is written.
+    half-precision weight would not see (docs/concepts.md#definitions). :meth:`snapshot` copies the masters before
+    the step (4 bytes per parameter, transient), :meth:`measure` compares after it. A skipped step changes nothing:
+    nothing is written.
 
     Args (:class:`~lightning_mpt.diagnostics.statistic.PerParameter`): ``names``, one per master passed to
     :meth:`snapshot`; ``fmt``, the half format.

@@ -10,7 +10,7 @@ Under Lightning's ``ModelParallelStrategy`` the LightningModule's ``configure_mo
 * **half format**: the policy's ``param_dtype``. Before a block's forward (and backward) FSDP all-gathers its
   parameters in that format, the compute copy, and frees them after use. The gradients are reduce-scattered in
   ``reduce_dtype`` (half by default) and FSDP keeps each rank's gradient shard in fp32.
-* **scaling and skipping** (DESIGN.md §3): the loss is scaled before backward. At the step
+* **scaling and skipping** (docs/guarantees.md#how-a-step-is-decided): the loss is scaled before backward. At the step
   :meth:`ShardedMasters.prepare` unscales the fp32 gradient shards in place with torch's fused AMP kernel, on each
   rank's local shards. The step policy all-reduces the non-finite flag (max) in the step's one collective, so
   every rank skips the same steps and holds the same scale.
