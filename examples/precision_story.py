@@ -34,7 +34,6 @@ from torch.utils.data import DataLoader
 from lightning_mpt import DynamicLossScaler, MPTPrecision
 from lightning_mpt.callbacks import GradientHistogramMonitor, LossScaleMonitor, UnderflowMonitor
 from lightning_mpt.cli import main as report
-from lightning_mpt.diagnostics.dashboard import dashboard_url
 
 LOSS_WEIGHT = 2.0**-12
 
@@ -107,8 +106,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     code = report(["report", args.logdir, *(["--no-plots"] if args.no_plots else [])])
     if code:
         raise SystemExit(code)
-    # TensorBoard opens on Time Series, smoothed: the address opens the Mixed precision charts with smoothing off
-    print(f"\nthe dashboard: tensorboard --logdir {args.logdir}\n  then open {dashboard_url()}")
     return {"runs": runs, "report": str(Path(args.logdir))}
 
 
