@@ -566,7 +566,8 @@ def test_accepted_shardings(one_process):
 
 def test_a_norm_layer_in_a_half_group_is_reported_once_per_process(one_process, caplog):
     """An example or a sweep that fits the same model twice (two precisions) is told once, not at every fit."""
-    caplog.set_level(logging.INFO)  # rank_zero_info: an INFO record of Lightning's logger
+    # rank_zero_info: an INFO record of Fabric's rank-zero logger (set on it: another test may have quietened its parents)
+    caplog.set_level(logging.INFO, logger="lightning.fabric.utilities.rank_zero")
     for fmt in ("bf16", "fp16"):
         model = nn.Sequential(collections.OrderedDict(reported_once=Net()))  # names no other test's note has
         plugin = MPTPrecision(fmt)
