@@ -216,8 +216,9 @@ def test_the_step_gradients_buffer_is_reused_and_holds_no_memory_between_steps()
         _engine_step(engine, model, opt, step)
         seen.append(id(engine.masters.master_of(model[0].weight).grad))  # the step keeps it until the release
         engine.release_gradients(drop=True)
-        # the fp32 gradients', and the CPU edit check's rounded masters; between steps they hold no memory
-        assert _kept_buffers(engine) == [("torch.float16", 0), ("torch.float32", 0)]
+        # the fp32 gradients' buffer, and the edit check's scratch of rounded masters: no memory between steps
+        assert _kept_buffers(engine) == [("torch.float32", 0)]
+        assert [edits.scratch.untyped_storage().nbytes() for _, edits, _ in engine.masters.edits.flat()] == [0]
     assert seen[0] == seen[1] == seen[2]  # the same views, step after step
 
 

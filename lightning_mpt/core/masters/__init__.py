@@ -95,6 +95,7 @@ class Gradients:
     # whether the half weights were edited since the last step: one flag per entry of ``params``, or a single flag
     # for all of them (on CPU: absorb_edits then finds which); None when not checked
     edited: Optional[Tensor] = None
+    edit_flags: Optional[Tensor] = None  # with a single ``edited`` flag: one per entry of ``params``, when one is set
     entered: bool = False  # whether the optimizer holds the masters now
     # torch < 2.13, where a half parameter cannot hold an fp32 gradient: the half copies its ``.grad`` shows hooks,
     # and version counters to notice edits of them (by hooks) and of the master gradients (by clipping)

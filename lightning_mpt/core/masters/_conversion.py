@@ -45,10 +45,12 @@ def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
 
 def retype(p: Tensor, data: Tensor, grad: Optional[Tensor]) -> None:
     """Make parameter ``p`` hold ``data`` (possibly of another dtype) and ``grad``, keeping its identity. Its
-    ``grad_dtype`` is pinned to the new dtype: an earlier stage's restore pinned fp32 there (torch >= 2.13)."""
+    ``grad_dtype`` is ``None`` (torch >= 2.13): it holds its fp32 gradient at the step, and a backward accumulates in
+    the dtype the gradient has (its half format, computed so; fp32 where ``accumulate_fp32`` put fp32 zeros), so
+    nothing switches it from step to step."""
     p.grad = None
     if _compat.GRAD_DTYPE:
-        p.grad_dtype = data.dtype
+        p.grad_dtype = None
     p.data = data
     if grad is not None:
         p.grad = grad

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters._flat import FlatLayout
+from lightning_mpt.core.masters._halves import HalfWeights
 
 
 def edit_flags(params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout] = None) -> Tensor:
@@ -140,3 +141,139 @@ def bits_differ(a: Tensor, b: Tensor) -> Tensor:
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
     word = _word(a, b)
     return torch.ne(a.view(word), b.view(word)).any()
+
+
+class FlatEdits:
+    """The edit check of fp32 masters whose weights lie flat (:class:`HalfWeights`): the masters are rounded into a
+    scratch of the weights' format a chunk at a time and compared with the weights' slice at once, the scratch's memory
+    given back after. On a CPU an equal slice needs nothing more; otherwise a flag per weight comes from one reduction
+    per run of equal-sized weights, on the device (no host sync).
+
+    Args:
+        halves: the flat weights.
+
+    Example:
+        ```python
+        from lightning_mpt.core.masters._halves import HalfWeights
+
+        masters = [torch.randn(3, 4), torch.randn(4)]
+        params = [torch.nn.Parameter(m.half()) for m in masters]
+        halves = HalfWeights(params, chunk=2**24)
+        check = FlatEdits(halves)
+        master_of = dict(zip(params, masters))
+        aligned = [master_of[p] for p in halves.params]  # the layout's order
+        assert check.flags(aligned) is None  # nothing edited (a CPU knows it without a flag per weight)
+        params[0].data.clamp_(-0.1, 0.1)  # invisible to autograd's version counter
+        assert check.flags(aligned).tolist() == [p is params[0] for p in halves.params]
+        ```
+    """
+
+    def __init__(self, halves: HalfWeights) -> None:
+        self.halves = halves
+        layout = halves.layout
+        self.scratch = torch.empty(max(c.numel for c in layout.chunks), dtype=halves.dtype, device=halves.device)
+        self.views = [layout.views(self.scratch, c) for c in layout.chunks]
+        self._nbytes = self.scratch.untyped_storage().nbytes()
+        self.scratch.untyped_storage().resize_(0)
+
+    def flags(self, masters: list[Tensor]) -> Optional[Tensor]:
+        """Whether each weight (in the layout's order) differs from its master (``masters``, aligned with it) rounded;
+        ``None`` on a CPU when none does."""
+        halves, layout = self.halves, self.halves.layout
+        cpu = halves.device.type == "cpu"
+        storage = self.scratch.untyped_storage()
+        storage.resize_(self._nbytes)
+        parts: list[Tensor] = []
+        differ = False
+        try:
+            with torch.no_grad():
+                for chunk, views in zip(layout.chunks, self.views):
+                    _compat.foreach_copy_(views, masters[chunk.first : chunk.stop])
+                    weights = halves.flat[chunk.offset : chunk.offset + chunk.numel].view(torch.int16)
+                    rounded = self.scratch[: chunk.numel].view(torch.int16)
+                    if cpu and torch.equal(weights, rounded):  # the usual case: one comparison, stopped at a difference
+                        parts.append(torch.zeros(chunk.stop - chunk.first, dtype=torch.bool))
+                        continue
+                    differ = True
+                    unequal = weights != rounded
+                    parts.extend(layout.rows(unequal, run, chunk).any(1) for run in chunk.runs)
+        finally:
+            storage.resize_(0)
+        if cpu and not differ:
+            return None
+        return torch.cat(parts)
+
+
+class WeightEdits:
+    """The edit check of every master's half weight: the weights laid flat per device (:class:`HalfWeights`) at the
+    first check, and again once the masters change or user code gave a weight other data (which is then compared as
+    it is). A weight that cannot lie flat (its data of another format now) is compared on its own.
+
+    Args:
+        masters: parameter -> fp32 master, the owner's own dict (:meth:`invalidate` after a change).
+        dtype: the half format of the weights.
+        chunk: elements rounded into the scratch at a time.
+
+    Example:
+        ```python
+        w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+        edits = WeightEdits({w: torch.ones(4)}, torch.float16)
+        assert edits.flags([w]) is None
+        w.data[0] = 2.0
+        assert edits.flags([w]).tolist() == [True]
+        ```
+    """
+
+    def __init__(self, masters: dict[Tensor, Tensor], dtype: torch.dtype, chunk: int = 2**24) -> None:
+        self.masters = masters
+        self.dtype = dtype
+        self.chunk = chunk
+        self._flat: Optional[list[tuple[HalfWeights, FlatEdits, list[Tensor]]]] = None
+        self._where: dict[Tensor, int] = {}  # parameter -> its place in the flat weights, one device after another
+        self._positions: dict[tuple[int, ...], tuple[Tensor, list[int]]] = {}
+
+    def invalidate(self) -> None:
+        """The masters changed: the weights are laid flat again at the next check."""
+        self._flat = None
+        self._positions.clear()
+
+    def flat(self) -> list[tuple[HalfWeights, FlatEdits, list[Tensor]]]:
+        """``(weights, their check, their masters in the layout's order)`` per device, laid out when first needed."""
+        if self._flat is None:
+            by_device: dict[torch.device, list[Tensor]] = {}
+            for p, m in self.masters.items():
+                if p.dtype == self.dtype and p.shape == m.shape and p.device == m.device:
+                    by_device.setdefault(p.device, []).append(p)
+            self._flat, self._where = [], {}
+            for params in by_device.values():
+                halves = HalfWeights(params, self.chunk)
+                base = len(self._where)
+                self._where.update((p, base + i) for i, p in enumerate(halves.params))
+                self._flat.append((halves, FlatEdits(halves), [self.masters[p] for p in halves.params]))
+        return self._flat
+
+    def flags(self, params: list[Tensor]) -> Optional[Tensor]:
+        """Whether the half weight of each of ``params`` (each with a master) differs from its master rounded, on the
+        device; ``None`` when none does and a CPU knows it without a flag per weight."""
+        if any(halves.moved() for halves, _, _ in self.flat()):  # data replaced since it was laid flat
+            self.invalidate()
+        flat = self.flat()
+        key = tuple(map(id, params))
+        positions = self._positions.get(key)
+        if positions is None:
+            n = len(self._where)
+            loose = [i for i, p in enumerate(params) if p not in self._where]
+            at = [self._where[p] if p in self._where else n + loose.index(i) for i, p in enumerate(params)]
+            device = flat[0][0].device if flat else params[0].device
+            positions = self._positions[key] = (torch.tensor(at, dtype=torch.long, device=device), loose)
+        index, loose = positions
+        parts = [edits.flags(masters) for _, edits, masters in flat]
+        if not loose and all(part is None for part in parts):
+            return None
+        device = index.device
+        every = [
+            (torch.zeros(len(halves.params), dtype=torch.bool) if part is None else part).to(device)
+            for (halves, _, _), part in zip(flat, parts)
+        ]
+        every += [bits_differ(self.masters[params[i]].to(params[i].dtype), params[i]).to(device) for i in loose]
+        return torch.cat([t.reshape(-1) for t in every])[index]

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Generator, Iterator
-from itertools import repeat
-from operator import attrgetter, is_, is_not
+from operator import attrgetter, is_
 from typing import Optional
 
 import torch
@@ -17,8 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, whole_step
-from lightning_mpt.core.masters._edits import edit_flags
-from lightning_mpt.core.masters._flat import FlatLayout
+from lightning_mpt.core.masters._edits import WeightEdits
 from lightning_mpt.core.masters._groups import GroupPlan, GroupSwap
 
 _DTYPE, _GRAD = attrgetter("dtype"), attrgetter("grad")
@@ -34,6 +32,7 @@ class GradientFlow:
     masters: dict[Tensor, Tensor]
     converted: dict[Tensor, None]
     groups: GroupSwap
+    edits: WeightEdits  # the check for half weights edited in place
     _kept: list[Gradients]  # steps whose masters keep their fp32 gradients until the next forward
     # parameter -> zeros given to it as its gradient, standing for none until written into: their version then, or
     # None where only a backward's accumulation counts (:meth:`accumulate_in_fp32`)
@@ -42,10 +41,6 @@ class GradientFlow:
 
     def add_master(self, param: Tensor, master: Tensor) -> None:
         raise NotImplementedError
-
-    def edit_flags(self, params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout] = None) -> Tensor:
-        """Whether each half weight of ``params`` differs from its master rounded (see :func:`edit_flags`)."""
-        return edit_flags(params, masters, layout)
 
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """Round ``masters`` into their half parameters ``params``."""
@@ -62,13 +57,12 @@ class GradientFlow:
         device. A parameter without a gradient gets none on its master either, so the optimizer leaves it alone.
         """
         out = Gradients(optimizer=optimizer)
-        plan = self.collect(optimizer, out)
-        edited = []
+        plan, halves = self.collect(optimizer, out)
         unscale: list[Tensor] = []  # flat buffers of master gradients, or the gradients themselves
         for start, stop in _chunks(out.params):
-            edited.append(self._to_fp32(out, start, stop, check_edits, unscale))
-        if check_edits and edited:
-            out.edited = edited[0] if len(edited) == 1 else torch.cat(edited)
+            self._to_fp32(out, halves, start, stop, unscale)
+        if check_edits:
+            self.check_edits(out)
         unscale += [p.grad for p in out.own_params if p.grad is not None]
         out.found_inf = _unscale_(unscale, 1.0 / scale, plan.device)
         if not _compat.GRAD_DTYPE and out.on_params:
@@ -78,22 +72,33 @@ class GradientFlow:
             out.master_versions = [_compat.version(g) for g in out.master_grads]
         return out
 
-    def collect(self, optimizer: Optimizer, out: Gradients) -> GroupPlan:
+    def check_edits(self, out: Gradients) -> None:
+        """Flag the half weights of ``out.params`` that user code edited since their masters were last written:
+        ``out.edited`` one flag on the device, ``out.edit_flags`` one per parameter (``None``: none was)."""
+        flags = self.edits.flags(out.params) if out.params else None
+        if flags is not None:
+            out.edit_flags = flags
+            out.edited = flags.any().reshape(1)
+
+    def collect(self, optimizer: Optimizer, out: Gradients) -> tuple[GroupPlan, list[Tensor]]:
         """Put the parameters of ``optimizer`` that have a gradient into ``out`` (a master whose parameter has none
-        gets none either, so the optimizer leaves it alone); a frozen one that has one now gets its master."""
+        gets none either, so the optimizer leaves it alone); a frozen one that has one now gets its master. Returns the
+        plan and the half gradients of ``out.params``."""
         if self._zeros:
             self.drop_unused_zeros()
         plan = self.groups.plan(optimizer)
-        unfrozen = [p for p in plan.frozen if p.grad is not None] if self.enabled else []
-        if unfrozen:  # frozen at conversion, trainable now: its master starts from its half value
-            for p in unfrozen:
-                self.add_master(p, p.detach().float())
-            plan = self.groups.plan(optimizer)
-        if all(map(is_not, [p.grad for p in plan.params], repeat(None))):  # the usual case: every one has one
-            out.params, out.masters = list(plan.params), list(plan.masters)  # (sparse ones are refused at the copy)
+        if plan.frozen and self.enabled:
+            unfrozen = [p for p in plan.frozen if p.grad is not None]
+            if unfrozen:  # frozen at conversion, trainable now: its master starts from its half value
+                for p in unfrozen:
+                    self.add_master(p, p.detach().float())
+                plan = self.groups.plan(optimizer)
+        halves = list(map(_GRAD, plan.params))
+        if None not in halves:  # the usual case: every one has one (sparse ones are refused at the copy)
+            out.params, out.masters = list(plan.params), list(plan.masters)
         else:
-            for p, master in plan.pairs:
-                grad = p.grad
+            kept = []
+            for (p, master), grad in zip(plan.pairs, halves):
                 if grad is None:
                     master.grad = None
                 elif grad.is_sparse:
@@ -101,21 +106,22 @@ class GradientFlow:
                 else:
                     out.params.append(p)
                     out.masters.append(master)
+                    kept.append(grad)
+            halves = kept
         for p in plan.own:
             grad = p.grad
             if grad is not None:
                 if grad.is_sparse:
                     raise RuntimeError(_SPARSE)
                 out.own_params.append(p)
-        return plan
+        return plan, halves
 
-    def _to_fp32(self, out: Gradients, start: int, stop: int, check_edits: bool, unscale: list[Tensor]) -> Tensor:
-        """Give ``out.params[start:stop]`` fp32 gradients (on their masters, and on themselves where torch allows it,
-        which frees the half ones at once), and check them for edited weights, whose flags are returned. What the
-        unscale is to multiply goes into ``unscale``: the flat buffer of the new gradients when they are views of
-        one."""
+    def _to_fp32(self, out: Gradients, grads: list[Tensor], start: int, stop: int, unscale: list[Tensor]) -> None:
+        """Give ``out.params[start:stop]`` (whose half gradients are ``grads[start:stop]``) fp32 gradients, on their
+        masters and on themselves where torch allows it, which frees the half ones at once. What the unscale is to
+        multiply goes into ``unscale``: the flat buffer of the new gradients when they are views of one."""
         params, masters = out.params[start:stop], out.masters[start:stop]
-        halves: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]  # prepare kept those with one
+        halves = grads[start:stop]
         # few Python objects and calls per step: every container allocated counts toward the cyclic garbage
         # collector's next pass, which walks the whole process (Lightning's object graph)
         # torch < 2.13, a step taken again: the half copies the last step left on the parameters stand for its exact
@@ -146,20 +152,16 @@ class GradientFlow:
             if todo:
                 _compat.foreach_copy_([fp32[i] for i in todo], [halves[i] for i in todo])
             unscale.extend(fp32)
-        flags = torch.zeros(0, dtype=torch.bool, device=params[0].device)
-        if check_edits:
-            flags = self.edit_flags(params, masters, layout)
+        del halves  # the half gradients go as soon as the parameters hold the fp32 ones
         if _compat.GRAD_DTYPE:  # the parameters carry the fp32 gradients (their half ones are freed now)
             for p, m, f in zip(params, masters, fp32):
-                p.grad_dtype = None  # pinned to the half format since the last release
                 p.grad = f
                 m.grad = f
         else:  # the parameters keep their half gradients, which will show the unscaled values
             for m, f in zip(masters, fp32):
                 m.grad = f
         out.master_grads.extend(fp32)
-        out.on_params.extend(fp32 if _compat.GRAD_DTYPE else halves)
-        return flags
+        out.on_params.extend(fp32 if _compat.GRAD_DTYPE else grads[start:stop])
 
     def _kept_exactly(self) -> dict[int, Tensor]:
         """torch < 2.13: ``id`` of each half gradient copy that a kept step left untouched -> its fp32 gradient."""
@@ -238,17 +240,17 @@ class GradientFlow:
                 continue
             g = p.grad
             if sync:
-                _set_grad(p, None if g is None else g.to(p.dtype))
+                p.grad = None if g is None else g.to(p.dtype)
             elif g is None:
                 zeros = torch.zeros_like(m)
-                _set_grad(p, zeros)
+                p.grad = zeros
                 # a backward's accumulation into them takes them off the list; nothing else does (a clip that
                 # multiplies every gradient in place leaves them zeros nothing was accumulated into)
                 self._zeros[p] = (zeros, None)
                 if p not in self._accumulated:
                     self._accumulated[p] = p.register_post_accumulate_grad_hook(self._accumulated_into)
             elif g.dtype != torch.float32:
-                _set_grad(p, g.float())
+                p.grad = g.float()
 
     def _accumulated_into(self, param: Tensor) -> None:
         """A backward accumulated into ``param``'s gradient: zeros given to it are a sum of gradients now."""
@@ -260,7 +262,7 @@ class GradientFlow:
         it was)."""
         for p, (zeros, version) in self._zeros.items():
             if p.grad is zeros and (version is None or _compat.version(zeros) == version):
-                _set_grad(p, None)
+                p.grad = None
         self._zeros.clear()
 
     def rescale(self, grads: Gradients, scale: float) -> None:
@@ -274,7 +276,7 @@ class GradientFlow:
             m.grad = None
             g = p.grad
             if g is mg or (g is not None and _is_faithful_copy(grads, i, g)):
-                _set_grad(p, mg.mul_(scale).to(p.dtype))  # scaled before it is rounded, so small values survive
+                p.grad = mg.mul_(scale).to(p.dtype)  # scaled before it is rounded, so small values survive
             elif g is not None:
                 rest.append(g)
         if rest and scale != 1.0:
@@ -304,10 +306,10 @@ class GradientFlow:
         for p in [*grads.params, *grads.own_params]:
             if zero and p.grad is not None:
                 zeros = torch.zeros_like(p)
-                _set_grad(p, zeros)
+                p.grad = zeros
                 self._zeros[p] = (zeros, _compat.version(zeros))
             else:
-                _set_grad(p, None)
+                p.grad = None
 
     def release(self, drop: bool) -> None:
         """Release the fp32 gradients that the masters kept from the last step(s).
@@ -344,25 +346,8 @@ def _release(grads: Gradients, drop: bool) -> None:
     """:meth:`GradientFlow.release` of one step's gradients."""
     for p, m, mg in zip(grads.params, grads.masters, grads.master_grads):
         m.grad = None
-        g = p.grad
-        if g is mg:
-            _set_grad(p, None if drop else mg.to(p.dtype))
-        elif g is None and _compat.GRAD_DTYPE and p.grad_dtype is None:
-            p.grad_dtype = p.dtype  # zero_grad dropped the fp32 gradient: autograd casts to the half format again
-
-
-def _set_grad(p: Tensor, grad: Optional[Tensor]) -> None:
-    """Give the half parameter ``p`` the gradient ``grad``. One of another dtype (its fp32 gradient at the step) needs
-    ``grad_dtype = None`` (torch >= 2.13); otherwise the parameter's own dtype is pinned again, so that autograd casts
-    what it accumulates there (and DDP's reducer gets the dtype it insists on)."""
-    if _compat.GRAD_DTYPE:
-        if grad is not None and grad.dtype != p.dtype:
-            if p.grad_dtype is not None:
-                p.grad_dtype = None
-        elif p.grad_dtype is None:
-            p.grad = None  # a gradient of the other dtype may still be there
-            p.grad_dtype = p.dtype
-    p.grad = grad
+        if p.grad is mg:
+            p.grad = None if drop else mg.to(p.dtype)
 
 
 def _write_halves(params: list[Tensor], masters: list[Tensor]) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -99,7 +99,6 @@ class ChunkedGrads(Gradients):
     """A chunked step's gradients: the half ones stay on the parameters until the step; the decision's by-products."""
 
     scale: float = 1.0  # the loss scale the half gradients carry
-    norms: list[Tensor] = field(default_factory=list)  # 2-norm of each unscaled gradient of ``params`` (0-dim)
     coefficient: Optional[Tensor] = None  # clipping by norm: the factor every gradient is multiplied by
     clip_value: Optional[float] = None  # clipping by value
     chunk: int = DEFAULT_CHUNK
@@ -116,8 +115,8 @@ class ChunkedGrads(Gradients):
 
     def clip_by_norm(self, max_norm: float) -> Tensor:
         """Clip by the global 2-norm, as ``torch.nn.utils.clip_grad_norm_`` over the masters of a whole step would:
-        the norms of the decision's pass, stacked in the optimizer's parameter order. The fp32 parameters' gradients
-        are clipped now, the others chunk by chunk at the step. Returns the total norm.
+        each gradient's norm (:meth:`half_norms`), stacked in the optimizer's parameter order. The fp32 parameters'
+        gradients are clipped now, the others chunk by chunk at the step. Returns the total norm.
 
         Raises:
             ValueError: after a clip by value in the same step: its norm would be that of the clamped gradients, which
@@ -131,7 +130,7 @@ class ChunkedGrads(Gradients):
             )
         with_grad = [p for p in self.own_params if p.grad is not None]
         own: list[Tensor] = [p.grad for p in with_grad]  # type: ignore[misc]
-        norm_of = dict(zip(map(id, self.params), self.norms))
+        norm_of = dict(zip(map(id, self.params), self.half_norms()))
         if own:
             norm_of.update(zip(map(id, with_grad), _compat.foreach_norm(own, 2.0)))
         ordered = [norm_of[id(p)] for p in params_of(self.optimizer) if id(p) in norm_of]  # type: ignore[arg-type]
@@ -143,6 +142,20 @@ class ChunkedGrads(Gradients):
         if own:
             _compat.foreach_mul_(own, coefficient.to(own[0].device))
         return total
+
+    def half_norms(self) -> list[Tensor]:
+        """The 2-norm of each unscaled gradient of ``params``, computed a chunk at a time from the half gradients on
+        the parameters now (the values a whole step's fp32 gradients have: the same copy and unscale)."""
+        norms: list[Tensor] = []
+        for start, stop in _chunks(self.params, self.chunk):
+            kept = [(p, m) for p, m in zip(self.params[start:stop], self.masters[start:stop]) if p.grad is not None]
+            fp32 = _fp32_copies([p for p, _ in kept], [m for _, m in kept])
+            if fp32:
+                _unscale_(fp32, 1.0 / self.scale)
+            norm_of = dict(zip(map(id, (p for p, _ in kept)), _compat.foreach_norm(fp32, 2.0) if fp32 else []))
+            zero = torch.zeros((), device=self.params[start].device)
+            norms.extend(norm_of.get(id(p), zero) for p in self.params[start:stop])
+        return norms
 
     def clip_by_value(self, value: float) -> None:
         """Clamp every gradient to ``[-value, value]``: the fp32 parameters' now, the others chunk by chunk."""
@@ -191,32 +204,24 @@ class ChunkedMasters(CopyMasters):
         self._whole: set[int] = set()  # ids of the optimizers told that they are stepped whole
 
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
-        """Decide from the half gradients, a chunk at a time: the non-finite flag, each gradient's norm and the edit
-        flags stay on the device; no fp32 gradient outlives its chunk. An optimizer that is not :func:`chunkable` gets
-        the whole step's fp32 gradients."""
+        """Decide from the half gradients as they are: the non-finite flag (a fused check over all of them, their
+        values unchanged) and the edit flags stay on the device; no fp32 gradient is made (clipping by norm makes each
+        chunk's in turn, :meth:`ChunkedGrads.clip_by_norm`). An optimizer that is not :func:`chunkable` gets the whole
+        step's fp32 gradients."""
         if not self.in_chunks(optimizer):
             return super().prepare(optimizer, scale, check_edits)
         out = ChunkedGrads(optimizer=optimizer, scale=scale, chunk=self.chunk)
         last = self._last.pop(optimizer, None)
         if last is not None:  # stepped again with no backward: the same gradients, clipped as they were
             out.coefficient, out.clip_value = last.coefficient, last.clip_value
-        self.collect(optimizer, out)
-        inv_scale = 1.0 / scale
-        found: list[Optional[Tensor]] = []
-        edited = []
-        for start, stop in _chunks(out.params, self.chunk):
-            params, masters = out.params[start:stop], out.masters[start:stop]
-            fp32 = _fp32_copies(params, masters)
-            found.append(_unscale_(fp32, inv_scale))
-            out.norms.extend(_compat.foreach_norm(fp32, 2.0))
-            if check_edits:
-                edited.append(self.edit_flags(params, masters).reshape(-1).any())
+        plan, halves = self.collect(optimizer, out)
+        found = _unscale_(halves, 1.0, plan.device)  # x * 1 is x: only the flag
         own = [p.grad for p in out.own_params]  # unscaled in place (already, for a step taken again)
-        found.append(_unscale_(own, 1.0 if last is not None else inv_scale))  # type: ignore[arg-type]
-        flags = [f for f in found if f is not None]
-        out.found_inf = torch.stack([f.to(flags[0].device) for f in flags]).sum() if flags else None
-        if edited:  # one flag per chunk: absorb_edits compares each weight once one is set
-            out.edited = torch.stack(edited).any().reshape(1)
+        found_own = _unscale_(own, 1.0 if last is not None else 1.0 / scale, plan.device)  # type: ignore[arg-type]
+        flags = [f for f in (found, found_own) if f is not None]
+        out.found_inf = flags[0] if len(flags) == 1 else (torch.stack(flags).sum() if flags else None)
+        if check_edits:
+            self.check_edits(out)
         return out
 
     def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
@@ -225,13 +230,12 @@ class ChunkedMasters(CopyMasters):
         if not isinstance(grads, ChunkedGrads):
             yield from super().steps(optimizer, grads)
             return
-        chunks = list(_chunks(grads.params, grads.chunk)) or [(0, 0)]
+        chunks = self.step_chunks(grads) or [([], [])]
         groups = [(g["params"], list(g["params"])) for g in optimizer.param_groups]
         state = optimizer.state
         own = {id(p) for p in grads.own_params}
         try:
-            for n, (start, stop) in enumerate(chunks):
-                params, masters = grads.params[start:stop], grads.masters[start:stop]
+            for n, (params, masters) in enumerate(chunks):
                 self.wake(params)
                 fp32 = self._chunk_gradients(grads, params, masters)
                 master_of = {id(p): m for p, m in zip(params, masters)}
@@ -258,6 +262,11 @@ class ChunkedMasters(CopyMasters):
         finally:
             for slots, full in groups:
                 slots[:] = full
+
+    def step_chunks(self, grads: ChunkedGrads) -> list[tuple[list[Tensor], list[Tensor]]]:
+        """The chunks that a step hands the optimizer in turn, ``(parameters, masters)``: about ``grads.chunk``
+        elements each, in the optimizer's order."""
+        return [(grads.params[a:b], grads.masters[a:b]) for a, b in _chunks(grads.params, grads.chunk)]
 
     @staticmethod
     def _chunk_gradients(grads: ChunkedGrads, params: list[Tensor], masters: list[Tensor]) -> list[Tensor]:

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, HALF_DTYPES, Gradients, distributed
 from lightning_mpt.core.masters._conversion import convert_module, exact_state, restore_module
-from lightning_mpt.core.masters._edits import copy_into_masters, edit_flags_of, edited_pairs
+from lightning_mpt.core.masters._edits import WeightEdits, copy_into_masters, edited_pairs
 from lightning_mpt.core.masters._flow import GradientFlow, _by_device
 from lightning_mpt.core.masters._groups import GroupSwap
 
@@ -66,6 +66,7 @@ class CopyMasters(GradientFlow):
         self.masters: dict[Tensor, Tensor] = {}
         self.converted: dict[Tensor, None] = {}  # every parameter given a half tensor (an ordered set)
         self.groups = GroupSwap(self.masters, self.converted)
+        self.edits = WeightEdits(self.masters, dtype)
         self._kept: list[Gradients] = []  # steps whose masters keep their fp32 gradients until the next forward
         self._zeros: dict[Tensor, tuple[Tensor, Optional[int]]] = {}  # zero gradients standing for none (GradientFlow)
         self._accumulated: dict[Tensor, RemovableHandle] = {}
@@ -100,6 +101,7 @@ class CopyMasters(GradientFlow):
         self.converted.clear()
         self.masters.clear()
         self.groups.invalidate()
+        self.edits.invalidate()
         self._kept.clear()
         self._zeros.clear()
         for handle in self._accumulated.values():
@@ -109,6 +111,7 @@ class CopyMasters(GradientFlow):
     def add_master(self, param: Tensor, master: Tensor) -> None:
         self.masters[param] = master
         self.groups.invalidate()
+        self.edits.invalidate()
 
     # ------------------------------------------------------------------ queries
     def master_of(self, param: Tensor) -> Tensor:
@@ -144,6 +147,7 @@ class CopyMasters(GradientFlow):
             if m.device != p.device:
                 self.masters[p] = m.to(p.device)
                 self.groups.invalidate()
+                self.edits.invalidate()
 
     def broadcast(self, src: int = 0, refresh: bool = True) -> None:
         """Make every process hold the masters of rank ``src``; ``refresh``: the half weights follow (leave them when
@@ -187,13 +191,16 @@ class CopyMasters(GradientFlow):
     def absorb_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
         """Copy into the masters the half weights that ``flags`` (the host values of ``grads.edited``) mark as edited
         since the last step; return their names."""
+        if grads.edit_flags is not None and any(flags):  # which ones: read only when one was (a second sync)
+            flags = grads.edit_flags.tolist()
         edited = edited_pairs(list(zip(grads.params, grads.masters)), flags)
         copy_into_masters(edited)
         return [self.name_of(p) for p, _ in edited]
 
     def absorb_all_edits(self) -> list[str]:
         """Check every converted parameter for an edit of its half weight (one host sync) and adopt what is found."""
-        pairs = [(p, m) for p, m in self.masters.items() if p.dtype == self.dtype and p.shape == m.shape]
-        edited = edited_pairs(pairs, edit_flags_of(pairs))
+        pairs = [(p, m) for p, m in self.masters.items() if p.shape == m.shape]
+        flags = self.edits.flags([p for p, _ in pairs]) if pairs else None
+        edited = [] if flags is None else edited_pairs(pairs, flags.tolist())
         copy_into_masters(edited)
         return [self.name_of(p) for p, _ in edited]

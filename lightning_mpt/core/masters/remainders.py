@@ -23,96 +23,24 @@ from collections.abc import Iterator
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
-from lightning_mpt.core.masters._edits import bits_differ, copy_into_masters
-from lightning_mpt.core.masters._flat import FlatLayout
-from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedMasters, stepped_in_chunks
+from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, distributed, params_of
+from lightning_mpt.core.masters._edits import bits_differ
+from lightning_mpt.core.masters._remainder_store import RemainderStore, fingerprint, join, split
+from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedGrads, ChunkedMasters, stepped_in_chunks
 
 __all__ = ["RemainderMasters", "fingerprint", "join", "split"]
 
 
-def split(master: Tensor) -> tuple[Tensor, Tensor]:
-    """The bf16 weight (ties rounded away from zero) and the int16 remainder that :func:`join` makes ``master`` from.
-
-    Args:
-        master: an fp32 tensor.
-
-    Example:
-        ```python
-        tie = torch.tensor([1.0 + 2.0**-8])  # halfway between the bf16 values 1 and 1 + 2**-7
-        half, rem = split(tie)
-        assert half.item() == 1.0 + 2.0**-7 and tie.to(torch.bfloat16).item() == 1.0  # torch: to even
-        assert torch.equal(join(half, rem), tie)
-        ```
-    """
-    half, rem, _ = _split(master)
-    return half, rem
-
-
-def _split(master: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`split`, and the bf16 patterns as int32 (sign-extended: what :func:`fingerprint` sums)."""
-    bits = master.view(torch.int32)
-    top = bits >> 16  # the truncated bf16 pattern, sign-extended
-    low = bits & 0xFFFF
-    carry = low >= 0x8000
-    # a carry keeps an infinity or a NaN non-finite (an infinity has no low bits; a NaN's pattern plus one is a NaN),
-    # except from the NaN patterns 0x7FFF and 0xFFFF, whose carry would wrap to a zero: those are truncated, and their
-    # low half does not fit an int16 (the rebuilt value is another NaN)
-    carry &= (top & 0x7FFF) != 0x7FFF
-    top += carry
-    low.sub_(carry.to(torch.int32), alpha=0x10000)  # now in [-0x8000, 0x7FFF] but for those NaNs
-    return top.to(torch.int16).view(torch.bfloat16), low.to(torch.int16), top
-
-
-def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """The fp32 tensor that :func:`split` made ``half`` and ``rem`` from, bit for bit (into ``out`` if given).
-
-    Args:
-        half: bf16 weights.
-        rem: their int16 remainders.
-        out: an fp32 tensor of the same shape to write into.
-
-    Example:
-        ```python
-        master = torch.randn(1000)
-        assert torch.equal(join(*split(master)), master)
-        ```
-    """
-    if out is None:
-        out = torch.empty_like(half, dtype=torch.float32)
-    bits = out.view(torch.int32)  # (top << 16) + remainder: split subtracted the carry's 0x10000 from the low half
-    bits.copy_(half.view(torch.int16))
-    bits.bitwise_left_shift_(16)
-    bits.add_(rem)
-    return out
-
-
-def fingerprint(half: Tensor) -> Tensor:
-    """The sum and the sum of squares of the bit patterns of ``half`` (int64, on its device): what changes when an
-    edit changes its values.
-
-    Example:
-        ```python
-        w = torch.randn(8).to(torch.bfloat16)
-        before = fingerprint(w)
-        w.clamp_(-0.5, 0.5)
-        assert not torch.equal(fingerprint(w), before)
-        ```
-    """
-    return _fingerprint(half.detach().view(torch.int16).to(torch.int32))
-
-
-def _fingerprint(patterns: Tensor) -> Tensor:
-    """:func:`fingerprint` of int32 bf16 patterns (sign-extended), squared in place."""
-    total = patterns.sum(dtype=torch.int64)
-    return torch.stack([total, patterns.mul_(patterns).sum(dtype=torch.int64)])
-
-
 class RemainderMasters(ChunkedMasters):
     """Exact fp32 masters of a bf16 model held as 16-bit remainders beside the weights between steps.
+
+    The weights and the remainders lie flat, per device (:class:`~lightning_mpt.core.masters._remainder_store.
+    RemainderStore`); a chunk of the layout is woken (its fp32 masters rebuilt) for its step and put back to sleep
+    after it, a few kernels over its slice whatever the number of tensors.
 
     Args:
         keep_fp32: module types whose parameters stay fp32.
@@ -139,178 +67,245 @@ class RemainderMasters(ChunkedMasters):
     def __init__(self, keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32, chunk: Optional[int] = None) -> None:
         super().__init__(torch.bfloat16, keep_fp32, DEFAULT_CHUNK if chunk is None else chunk)
         self.chunked = chunk is not None
-        self.rems: dict[Tensor, Tensor] = {}  # parameter -> remainder, for each master asleep
-        self.prints: dict[Tensor, Tensor] = {}  # parameter -> fingerprint of its half weight when its master slept
-        self._found: dict[Tensor, Tensor] = {}  # parameter -> whether its weight was edited while asleep (0-dim)
-        self._reusable: set[int] = set()  # masters woken in our own storage, never handed out: freed in place
-        self._woken_now: set[int] = set()  # ids of the parameters whose masters the prepare under way woke
+        self.stores: list[RemainderStore] = []
+        self._where: dict[Tensor, RemainderStore] = {}  # parameter -> the store that holds its master
+        self._chunk: dict[Tensor, tuple[int, int]] = {}  # parameter -> (its store's index, its chunk's index)
+        self.held: dict[Tensor, Tensor] = {}  # parameter -> its master woken for a reader, until the next forward
+        self._stale = False  # masters were added (as fp32 tensors of their own) since the stores were laid out
+        self._edited: Optional[Tensor] = None  # the latest check's flags: the stores' weights in order, then the rest
+        self._edited_params: list[Tensor] = []  # the parameters of those flags
+        self._noticed: list[tuple[Tensor, Tensor]] = []  # edits found when a master was read, reported at the check
 
     # ------------------------------------------------------------------ set-up
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
         super().convert(module, restored)
-        self.write_back(list(self.masters), list(self.masters.values()))
+        self._lay_out()
         return module
 
+    def add_master(self, param: Tensor, master: Tensor) -> None:
+        super().add_master(param, master)
+        self._stale = True
+
+    def _value(self, p: Tensor) -> Tensor:
+        """``p``'s master in a tensor of its own; a weight whose data user code replaced on its device is an edit."""
+        held = self.held.get(p)
+        if held is not None:
+            return held
+        store = self._where.get(p)
+        if store is None:
+            return self.masters[p]
+        i = store.position(p)
+        if p.data_ptr() == store.halves.pointer(i):
+            if store.chunk_of(i) not in store.awake:  # an edit of its weight since it slept is its master now
+                self._noticed.append((p, store.check_one(i)))
+            return store.value(p)
+        if p.device == store.halves.device:  # data replaced: the edited value, exactly, as an fp32 copy takes it
+            return p.detach().float()
+        with torch.no_grad():  # the module moved: the master from where its weight was
+            return join(store.halves.view(i), store.rems[i]).to(p.device)
+
+    def _lay_out(self) -> None:
+        """Lay the weights and remainders out flat, per device, from the masters' values (also after masters were
+        added, or weights moved or given other data)."""
+        values = {p: self._value(p) for p in self.masters}
+        self.stores, self._where, self._chunk = [], {}, {}
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for p in values:
+            if p.dtype == torch.bfloat16 and p.shape == values[p].shape:
+                by_device.setdefault(p.device, []).append(p)
+            else:  # its data is of another format now: its master stays a tensor of its own
+                self.masters[p] = values[p]
+        for params in by_device.values():
+            store = RemainderStore(params, [values[p].to(p.device) for p in params], self.chunk)
+            for i, (p, m) in enumerate(zip(store.params, store.masters)):
+                self.masters[p] = m
+                self._where[p] = store
+                self._chunk[p] = (len(self.stores), store.chunk_of(i))
+            self.stores.append(store)
+        self.held = {p: values[p] for p in self.held if p in values}  # the same tensors: readers may hold them
+        self._stale = False
+        self.groups.invalidate()
+        self.edits.invalidate()
+
+    def _ensure_layout(self) -> None:
+        if self._stale or any(store.halves.moved() for store in self.stores):
+            self._sleep_all()
+            self._lay_out()
+
     def restore(self) -> None:
-        self.wake(list(self.masters))
+        self._sleep_all()
+        self.absorb_all_edits()
+        for p in list(self.masters):
+            self.masters[p] = self._value(p)
+        self.stores, self._where, self._chunk, self.held = [], {}, {}, {}
         super().restore()
-        self.rems.clear()
-        self.prints.clear()
-        self._found.clear()
-        self._reusable.clear()
 
     def follow_devices(self) -> None:
-        for p in list(self.rems):
-            if self.rems[p].device != p.device:
-                self.rems[p], self.prints[p] = self.rems[p].to(p.device), self.prints[p].to(p.device)
-                self._replace(p)
-                self.groups.invalidate()
+        self._ensure_layout()
         super().follow_devices()
 
     def broadcast(self, src: int = 0, refresh: bool = True) -> None:
-        self.wake(list(self.masters))
-        super().broadcast(src, refresh)
-        # without ``refresh`` the half weights are rank ``src``'s already and a forward's graph may hold them: only
-        # the remainders are split off
-        self._sleep(list(self.masters), list(self.masters.values()), write_halves=refresh)
+        if not distributed() or not self.masters:
+            return
+        self._ensure_layout()
+        with torch.no_grad():
+            for store in self.stores:
+                dist.broadcast(store.rem, src=src)
+                if refresh:  # else the weights are rank ``src``'s already and a forward's graph may hold them
+                    dist.broadcast(store.halves.flat, src=src)
+                store.fingerprint_all()
+            loose = [m for p, m in self.masters.items() if p not in self._where]
+            for m in loose:
+                dist.broadcast(m, src=src)
+        if refresh:
+            self.refresh()
 
     # ------------------------------------------------------------------ sleep and wake
+    def _chunks_of(self, params: list[Tensor]) -> set[tuple[int, int]]:
+        """``(store, chunk)`` indices of the chunks holding the masters of ``params``."""
+        chunk = self._chunk
+        return {chunk[p] for p in params if p in chunk}
+
     def wake(self, params: list[Tensor]) -> None:
-        """Rebuild the fp32 masters of ``params`` that sleep; a weight edited meanwhile becomes its master exactly."""
-        asleep = [p for p in params if p in self.rems]
-        if not asleep:
-            return
-        self._check(asleep)
-        with torch.no_grad():
-            for p in asleep:
-                m = self.masters[p]
-                m.untyped_storage().resize_(m.numel() * m.element_size())
-                join(p, self.rems.pop(p), out=m)
-                del self.prints[p]
-                self._reusable.add(id(m))
+        """Rebuild the fp32 masters of the chunks holding those of ``params``; a master woken for a reader (and
+        maybe edited there) is taken as it is."""
+        for s, k in sorted(self._chunks_of(params)):
+            store = self.stores[s]
+            if k in store.awake:
+                continue
+            store.wake(k)
+            chunk = store.layout.chunks[k]
+            for p in store.params[chunk.first : chunk.stop]:
+                held = self.held.get(p)
+                if held is not None:
+                    store.masters[store.position(p)].copy_(held)
 
     def write_back(self, params: list[Tensor], masters: list[Tensor]) -> None:
-        """Put the masters of ``params`` to sleep: their half weights and remainders from them, their memory freed."""
-        self._sleep(params, masters)
+        """Put the chunks holding the masters of ``params`` to sleep: their weights and remainders from them."""
+        self._sleep(self._chunks_of(params))
+        loose = [(p, m) for p, m in zip(params, masters) if p not in self._where]
+        if loose:
+            self.write_halves([p for p, _ in loose], [m for _, m in loose])
 
-    def _sleep(self, params: list[Tensor], masters: list[Tensor], write_halves: bool = True) -> None:
-        replaced = False
-        with torch.no_grad():
-            for p, m in zip(params, masters):
-                if p in self.rems or self.masters.get(p) is not m:
-                    continue
-                half, self.rems[p], patterns = _split(m)
-                if write_halves:
-                    p.copy_(half)
-                self.prints[p] = _fingerprint(patterns)
-                self._found.pop(p, None)
-                if id(m) in self._reusable:  # its gradient, if it keeps one, is a tensor of its own
-                    self._reusable.discard(id(m))
-                    m.untyped_storage().resize_(0)
-                else:  # someone may hold it (it came from the module or was handed out): it keeps its memory
-                    self._replace(p)
-                    replaced = True
-        if replaced:  # once, not per master: the plans are rebuilt from every master
-            self.groups.invalidate()
+    def _sleep(self, chunks: set[tuple[int, int]]) -> None:
+        for s, k in sorted(chunks):
+            store = self.stores[s]
+            if k not in store.awake:
+                continue
+            chunk = store.layout.chunks[k]
+            for p in store.params[chunk.first : chunk.stop]:  # a reader's master follows the step
+                held = self.held.get(p)
+                if held is not None:
+                    held.copy_(store.masters[store.position(p)])
+            store.sleep(k)
 
-    def _replace(self, p: Tensor) -> None:
-        """Give ``p`` a new sleeping master: an fp32 tensor of its shape whose storage is empty until woken."""
-        placeholder = torch.empty_like(p, dtype=torch.float32)
-        placeholder.untyped_storage().resize_(0)
-        self.masters[p] = placeholder  # the caller invalidates the groups' plans
+    def _sleep_all(self) -> None:
+        self._sleep({(s, k) for s, store in enumerate(self.stores) for k in store.awake})
 
     def release(self, drop: bool) -> None:
-        """Before a forward or a backward: also put the masters woken since the step to sleep. A weight edited since
-        (a clamp in ``on_train_batch_end``) becomes its master first, on the device, the whole tensor, as an edit made
-        while the master sleeps and as with 4-byte masters (so reading a master, which wakes it, never changes the
-        run); the half weights are then the masters' already and are not written (a forward's graph may hold them)."""
+        """Before a forward or a backward: also put the masters woken for readers since the step to sleep. A weight
+        edited since (a clamp in ``on_train_batch_end``) becomes its master first, on the device, the whole tensor, as
+        an edit made while the master sleeps and as with 4-byte masters (so reading a master, which wakes it, never
+        changes the run); the half weights are then the masters' already and are not written (a forward's graph may
+        hold them)."""
         super().release(drop)
-        awake = [p for p in self.masters if p not in self.rems]
+        self._sleep_all()
+        if not self.held:
+            return
         with torch.no_grad():
-            for p in awake:
-                m = self.masters[p]
+            for p, m in self.held.items():
                 edited = torch.ne(p.detach().view(torch.int16), split(m)[0].view(torch.int16)).any()
                 m.copy_(torch.where(edited, p.detach().float(), m))
-        self._sleep(awake, [self.masters[p] for p in awake], write_halves=False)
+                store = self._where.get(p)
+                if store is not None:
+                    store.rems[store.position(p)].copy_(split(m)[1])
+                else:
+                    self.masters[p] = m
+        self.held = {}
 
     def in_chunks(self, optimizer: Optimizer) -> bool:
         return self.chunked and stepped_in_chunks(optimizer, self._whole)
 
     # ------------------------------------------------------------------ the step
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
-        # each step fingerprints the sleeping weights again: a skipped step's findings are stale once user code ran
-        self._found.clear()
-        if not self.in_chunks(optimizer):  # the whole step reads every master
-            asleep = [p for p in params_of(optimizer) if p in self.rems]
-            self.wake(asleep)
-            self._woken_now = {id(p) for p in asleep}
-        try:
-            return super().prepare(optimizer, scale, check_edits)
-        finally:
-            self._woken_now = set()
+        self._ensure_layout()
+        self._sleep_all()  # a step taken again, or decided again: from the weights and remainders as they are
+        self._edited = self._check() if check_edits else None
+        if not self.in_chunks(optimizer):  # the whole step reads every master of the optimizer
+            self.wake(params_of(optimizer))
+        return super().prepare(optimizer, scale, check_edits)
 
-    def edit_flags(self, params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout] = None) -> Tensor:
-        """Per weight of ``params``: edited since its master was last written (asleep: its fingerprint changed, and
-        the master has taken the edit already; woken for this step and not handed out: the same, as the weight is
-        its master's top half by construction; otherwise: it differs from its master rounded as :func:`split` does)."""
-        self._check([p for p in params if p in self.rems])
-        false = torch.zeros((), dtype=torch.bool, device=params[0].device)
-        flags = []
-        for p, m in zip(params, masters):
-            if p in self.rems or self._fresh(p, m):
-                flags.append(self._found.get(p, false))
-            else:
-                flags.append(bits_differ(split(m.detach())[0], p))
-        return torch.stack(flags)
+    def check_edits(self, out: Gradients) -> None:
+        if self._edited is not None:
+            out.edited = self._edited.any().reshape(1)
 
-    def _fresh(self, p: Tensor, m: Tensor) -> bool:
-        """Whether ``m`` was woken from ``p`` and its remainder by the :meth:`prepare` under way and never handed out:
-        then ``p`` is ``m``'s top half (an edit made while it slept is in ``m`` already). A master left awake by a
-        skipped step is compared with its weight again: user code may have edited the weight since."""
-        return id(p) in self._woken_now and id(m) in self._reusable
-
-    def _check(self, asleep: list[Tensor]) -> None:
-        """Compare the fingerprints of sleeping masters' weights with those they slept with (no host sync); an edited
-        weight's remainder is zeroed, so that its master wakes as the edited value."""
-        for p in asleep:
-            if p in self._found:
-                continue
-            now = fingerprint(p)
-            edited = torch.ne(now, self.prints[p]).any()
-            self.rems[p].masked_fill_(edited, 0)
-            self.prints[p] = now
-            self._found[p] = edited
+    def _check(self) -> Optional[Tensor]:
+        """Every weight edited since its master was last written, on the device: a sleeping master takes its
+        weight's edit (its remainder zeroed), a woken one the whole edited weight. ``None`` when there is nothing."""
+        flags = [store.check() for store in self.stores]
+        others = [(p, m) for p, m in self.masters.items() if p not in self._where or p in self.held]
+        others = [(p, self.held.get(p, m)) for p, m in others]
+        with torch.no_grad():
+            for p, m in others:
+                edited = bits_differ(split(m.detach())[0], p)
+                m.copy_(torch.where(edited, p.detach().float(), m))
+                flags.append(edited.reshape(1))
+        noticed, self._noticed = self._noticed, []
+        flags += [flag.reshape(1) for _, flag in noticed]
+        self._edited_params = [p for store in self.stores for p in store.params] + [p for p, _ in others + noticed]
+        if not flags:
+            return None
+        device = flags[0].device
+        return torch.cat([f.to(device) for f in flags])
 
     def absorb_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
-        """The names of the weights edited since the last step, their masters made equal to them."""
-        return self._absorb(list(zip(grads.params, grads.masters)), flags)
+        """The names of the weights edited since the last step; their masters took the edits at the check."""
+        if self._edited is None or not any(flags):
+            return []
+        edited = self._edited.tolist()
+        self._edited = None
+        return [self.name_of(p) for p, e in zip(self._edited_params, edited) if e]
 
     def absorb_all_edits(self) -> list[str]:
-        pairs = list(self.masters.items())
-        if not pairs:
-            return []
-        flags = self.edit_flags([p for p, _ in pairs], [m for _, m in pairs]).any().reshape(1).tolist()
-        return self._absorb(pairs, flags)
+        self._ensure_layout()
+        self._sleep_all()
+        self._edited = self._check()
+        return self.absorb_edits(Gradients(), [1.0])
 
-    def _absorb(self, pairs: list[tuple[Tensor, Tensor]], flags: list[float]) -> list[str]:
-        if not any(flags):
-            return []
-        names = [self.name_of(p) for p, edited in self._found.items() if bool(edited)]
-        for p in self._found:  # reported once; the entry stays: the weight was checked since its master slept
-            self._found[p] = torch.zeros((), dtype=torch.bool, device=p.device)
-        awake = [(p, m) for p, m in pairs if p not in self.rems and bool(bits_differ(split(m.detach())[0], p))]
-        copy_into_masters(awake)
-        return names + [self.name_of(p) for p, _ in awake]
+    def step_chunks(self, grads: ChunkedGrads) -> list[tuple[list[Tensor], list[Tensor]]]:
+        """The chunks of the layout, each with the optimizer's parameters it holds; the rest in one chunk after."""
+        chunks: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
+        where = self._chunk
+        for p, m in zip(grads.params, grads.masters):
+            params, masters = chunks.setdefault(where.get(p, (len(self.stores), 0)), ([], []))
+            params.append(p)
+            masters.append(m)
+        return [chunks[key] for key in sorted(chunks)]
+
+    def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
+        super().exit(optimizer, grads, stepped)
+        self._sleep_all()
+
+    def discard(self, grads: Gradients, zero: bool = False) -> None:
+        super().discard(grads, zero)
+        self._sleep_all()
 
     # ------------------------------------------------------------------ reading and writing the masters
     def master_of(self, param: Tensor) -> Tensor:
-        """The fp32 master of ``param``, awake until the next forward (later steps may store it elsewhere)."""
+        """The fp32 master of ``param``: while its chunk is awake (a step), the tensor the optimizer steps; else woken
+        into a tensor of its own until the next forward (later steps may store it elsewhere)."""
         if param not in self.masters:
             return param
-        self.wake([param])
-        m = self.masters[param]
-        self._reusable.discard(id(m))
-        return m
+        store = self._where.get(param)
+        if store is None:
+            return self.masters[param]
+        i = store.position(param)
+        if store.chunk_of(i) in store.awake:  # a reader's copy follows it, at its sleep
+            return store.masters[i]
+        held = self.held.get(param)
+        if held is None:
+            held = self.held[param] = self._value(param)
+        return held
 
     def named_masters(self) -> Iterator[tuple[str, Tensor, Tensor]]:
         for p in list(self.masters):
@@ -318,30 +313,37 @@ class RemainderMasters(ChunkedMasters):
 
     def storage(self) -> list[Tensor]:
         """The remainders of the masters asleep and the masters awake."""
-        return [self.rems.get(p, m) for p, m in self.masters.items()]
+        out = []
+        for p, m in self.masters.items():
+            store = self._where.get(p)
+            out.append(self.held.get(p, m) if store is None else self.held.get(p, store.rems[store.position(p)]))
+        return out
 
     def saved_master(self, param: Tensor) -> Optional[Tensor]:
-        rem = self.rems.get(param)
-        if rem is not None:
-            return join(param.detach(), rem)
-        return None if param not in self.masters else self.master_of(param)
+        return None if param not in self.masters else self._value(param)
 
     def load_master(self, param: Tensor, value: Tensor) -> Optional[Tensor]:
         master = value.detach().to(param.device, torch.float32)
-        half, rem = split(master)
-        if param in self.rems:
-            self.rems[param], self.prints[param] = rem, fingerprint(half)
-            self._found.pop(param, None)
-        else:
-            self.masters[param].copy_(master)
-        return half
+        held = self.held.get(param)
+        if held is not None:
+            held.copy_(master)
+        store = self._where.get(param)
+        if store is not None:
+            return store.load(param, master)
+        self.masters[param].copy_(master)
+        return split(master)[0]
 
     def refresh(self) -> None:
-        awake = [p for p in self.masters if p not in self.rems]
-        self.write_halves(awake, [self.masters[p] for p in awake])
+        awake = [(p, self.held.get(p, m)) for p, m in self.masters.items() if p not in self._where or p in self.held]
+        self.write_halves([p for p, _ in awake], [m for _, m in awake])
 
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
         with torch.no_grad():
             for p, m in zip(params, masters):
-                if p not in self.rems:
-                    p.copy_(split(m)[0])
+                half, rem = split(m)
+                p.copy_(half)
+                store = self._where.get(p)
+                if store is not None:
+                    i = store.position(p)
+                    store.rems[i].copy_(rem)
+                    store.reprint(i)

@@ -1,0 +1,206 @@
+"""The half weights of the parameters with masters as views of one flat buffer per device, laid out chunk by chunk.
+
+A pass over the weights is then one kernel over the buffer (or one per run of equal-sized weights, for a value per
+weight), whatever the number of tensors: the check for weights that user code edited, the fingerprints of 16-bit
+masters, the remainders beside them and the chunks of a chunked step, which are slices of the same layout. The
+parameters keep their identity: each one's ``data`` is set to its view once, which keeps its autograd accumulator and
+its hooks (same dtype and device). Only the half weights and the 16-bit remainders lie flat: fp32 masters and the
+optimizer's state keep storages of their own, so ``state_dict()`` and checkpoints are unchanged.
+
+User code may give a parameter other data (``p.data = p.data.clamp(...)``, ``module.to(device)``): :meth:`HalfWeights.
+moved` finds such a parameter by its data pointer (one C-level pass), before anything trusts the buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# memory formats whose strides a view of a flat buffer can keep (a channels-last convolution stays channels-last)
+_DENSE_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Tensors of one size lying side by side: a value per tensor is one reduction over a ``(count, numel)`` view."""
+
+    first: int  # the first tensor's position in the layout
+    count: int
+    numel: int
+    offset: int  # the first tensor's first element in the flat buffer
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A slice of the layout: tensors ``[first, stop)``, elements ``[offset, offset + numel)``."""
+
+    first: int
+    stop: int
+    offset: int
+    numel: int
+    runs: tuple[Run, ...]
+
+
+def ranges(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` index ranges of ``sizes`` holding about ``budget`` elements each (a larger one alone).
+
+    Example:
+        ```python
+        assert ranges([3, 3, 3, 10, 1], 6) == [(0, 2), (2, 4), (4, 5)]
+        ```
+    """
+    out, start, size = [], 0, 0
+    for i, n in enumerate(sizes):
+        size += n
+        if size >= budget:
+            out.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < len(sizes):
+        out.append((start, len(sizes)))
+    return out
+
+
+class ChunkLayout:
+    """Where tensors lie in one flat buffer: a chunk of about ``chunk`` elements at a time, in their order, and inside a
+    chunk sorted by size, so that equal sizes lie side by side (:class:`Run`).
+
+    Args:
+        tensors: the tensors to lay out (their shapes and dense strides are kept).
+        chunk: about how many elements each chunk holds (a larger tensor is a chunk of its own).
+
+    Example:
+        ```python
+        layout = ChunkLayout([torch.zeros(2, 3), torch.zeros(4), torch.zeros(2, 3)], chunk=100)
+        flat = torch.arange(float(layout.numel))
+        views = layout.views(flat)
+        assert [tuple(v.shape) for v in views] == [(4,), (2, 3), (2, 3)] and layout.chunks[0].runs[1].count == 2
+        ```
+    """
+
+    def __init__(self, tensors: Sequence[Tensor], chunk: int) -> None:
+        order: list[int] = []
+        chunks: list[Chunk] = []
+        offset = 0
+        for start, stop in ranges([t.numel() for t in tensors], chunk):
+            first, begin = len(order), offset
+            runs: list[Run] = []
+            for i in sorted(range(start, stop), key=lambda i: tensors[i].numel()):  # stable: equal sizes keep order
+                n = tensors[i].numel()
+                if runs and runs[-1].numel == n:
+                    last = runs[-1]
+                    runs[-1] = Run(last.first, last.count + 1, n, last.offset)
+                else:
+                    runs.append(Run(len(order), 1, n, offset))
+                order.append(i)
+                offset += n
+            chunks.append(Chunk(first, len(order), begin, offset - begin, tuple(runs)))
+        self.tensors = [tensors[i] for i in order]
+        self.chunks = chunks
+        self.numel = offset
+        self.offsets = [r.offset + k * r.numel for c in chunks for r in c.runs for k in range(r.count)]
+        self.position = {t: i for i, t in enumerate(self.tensors)}  # tensors hash by identity
+        self._shapes = [(t.shape, _dense_strides(t)) for t in self.tensors]
+
+    def views(self, flat: Tensor, chunk: Optional[Chunk] = None) -> list[Tensor]:
+        """Views of ``flat`` shaped (and strided) as the tensors, in the layout's order: of every tensor, or of
+        ``chunk``'s, with ``flat`` holding that chunk alone."""
+        first, stop, base = (0, len(self.tensors), 0) if chunk is None else (chunk.first, chunk.stop, chunk.offset)
+        at = flat.storage_offset() - base
+        return [
+            flat.as_strided(shape, stride, at + offset)
+            for (shape, stride), offset in zip(self._shapes[first:stop], self.offsets[first:stop])
+        ]
+
+    def view(self, flat: Tensor, position: int) -> Tensor:
+        """The view of ``flat`` (the whole buffer) shaped as the tensor at ``position``."""
+        shape, stride = self._shapes[position]
+        return flat.as_strided(shape, stride, flat.storage_offset() + self.offsets[position])
+
+    def rows(self, flat: Tensor, run: Run, chunk: Optional[Chunk] = None) -> Tensor:
+        """``run``'s tensors in ``flat`` (the whole buffer, or ``chunk``'s slice of it) as a ``(count, numel)``
+        view."""
+        start = run.offset - (0 if chunk is None else chunk.offset)
+        return flat[start : start + run.count * run.numel].view(run.count, run.numel)
+
+
+def _dense_strides(t: Tensor) -> tuple[int, ...]:
+    """``t``'s strides where a view of a flat buffer can have them (a dense memory format), else contiguous ones."""
+    for memory_format in _DENSE_FORMATS:
+        if t.is_contiguous(memory_format=memory_format):
+            return tuple(t.stride())
+    return tuple(torch.empty(t.shape, device="meta").stride())
+
+
+class HalfWeights:
+    """Half-precision parameters whose data are views of one flat buffer (see the module's docstring).
+
+    Args:
+        params: parameters of one half dtype on one device, each with a master.
+        chunk: about how many elements each chunk of the layout holds.
+
+    Example:
+        ```python
+        w = torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float16))
+        b = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+        halves = HalfWeights([w, b], chunk=2**24)
+        assert w.untyped_storage().data_ptr() == halves.flat.untyped_storage().data_ptr()
+        assert halves.moved() == [] and torch.equal(halves.flat, torch.tensor([0, 0, 1, 1, 1, 1.0]).half())
+        ```
+    """
+
+    def __init__(self, params: Sequence[Tensor], chunk: int) -> None:
+        self.layout = ChunkLayout(params, chunk)
+        self.params = self.layout.tensors
+        first = self.params[0]
+        self.flat = torch.empty(self.layout.numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for p, view in zip(self.params, self.layout.views(self.flat)):
+                view.copy_(p.detach())
+                p.data = view  # same dtype and device: the parameter keeps its accumulator, hooks and version
+        self._pointers = list(map(Tensor.data_ptr, self.params))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flat.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
+    def pointer(self, position: int) -> int:
+        """The data pointer of the parameter at ``position``'s view."""
+        return self._pointers[position]
+
+    def view(self, position: int) -> Tensor:
+        """The parameter at ``position``'s view of the buffer (its data, unless user code replaced it)."""
+        return self.layout.view(self.flat, position)
+
+    def moved(self) -> list[int]:
+        """Positions of the parameters whose data is no longer their view of the buffer (replaced by user code, or
+        moved with the module): a comparison of data pointers, in C, when none moved."""
+        now = list(map(Tensor.data_ptr, self.params))
+        if now == self._pointers:
+            return []
+        return [i for i, (a, b) in enumerate(zip(now, self._pointers)) if a != b]
+
+    def reattach(self, positions: Sequence[int]) -> None:
+        """Put the current values of the parameters at ``positions`` into the buffer and make their data their views
+        again (their values, whatever their format now, rounded to the buffer's)."""
+        views = self.layout.views(self.flat)
+        with torch.no_grad():
+            for i in positions:
+                p = self.params[i]
+                views[i].copy_(p.detach())
+                p.data = views[i]
+                self._pointers[i] = p.data_ptr()
+
+    def detach(self) -> None:
+        """Give every parameter data of its own again (a copy of its view), before the buffer is dropped."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.data_ptr() == self._pointers[i]:
+                    p.data = p.detach().clone()

@@ -1,0 +1,259 @@
+"""The bit-level form of 16-bit masters: :func:`split` and :func:`join` (an fp32 master as its bf16 weight plus a signed
+16-bit remainder, exactly), :func:`fingerprint`, and :class:`RemainderStore`, the weights and remainders of a module
+laid flat alike (:class:`~lightning_mpt.core.masters._halves.HalfWeights`), whose chunks wake into fp32 masters for
+their step. See :mod:`lightning_mpt.core.masters.remainders` for why the rounding is ties away from zero."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_mpt import _compat
+from lightning_mpt.core.masters._halves import HalfWeights
+
+
+def split(master: Tensor) -> tuple[Tensor, Tensor]:
+    """The bf16 weight (ties rounded away from zero) and the int16 remainder that :func:`join` makes ``master`` from.
+
+    Args:
+        master: an fp32 tensor.
+
+    Example:
+        ```python
+        tie = torch.tensor([1.0 + 2.0**-8])  # halfway between the bf16 values 1 and 1 + 2**-7
+        half, rem = split(tie)
+        assert half.item() == 1.0 + 2.0**-7 and tie.to(torch.bfloat16).item() == 1.0  # torch: to even
+        assert torch.equal(join(half, rem), tie)
+        ```
+    """
+    half, rem, _ = _split(master)
+    return half, rem
+
+
+def _split(master: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`split`, and the bf16 patterns as int32 (sign-extended: what :func:`fingerprint` sums)."""
+    bits = master.view(torch.int32)
+    top = bits >> 16  # the truncated bf16 pattern, sign-extended
+    low = bits & 0xFFFF
+    carry = low >= 0x8000
+    # a carry keeps an infinity or a NaN non-finite (an infinity has no low bits; a NaN's pattern plus one is a NaN),
+    # except from the NaN patterns 0x7FFF and 0xFFFF, whose carry would wrap to a zero: those are truncated, and their
+    # low half does not fit an int16 (the rebuilt value is another NaN)
+    carry &= (top & 0x7FFF) != 0x7FFF
+    top += carry
+    low.sub_(carry.to(torch.int32), alpha=0x10000)  # now in [-0x8000, 0x7FFF] but for those NaNs
+    return top.to(torch.int16).view(torch.bfloat16), low.to(torch.int16), top
+
+
+def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """The fp32 tensor that :func:`split` made ``half`` and ``rem`` from, bit for bit (into ``out`` if given).
+
+    Args:
+        half: bf16 weights.
+        rem: their int16 remainders.
+        out: an fp32 tensor of the same shape to write into.
+
+    Example:
+        ```python
+        master = torch.randn(1000)
+        assert torch.equal(join(*split(master)), master)
+        ```
+    """
+    if out is None:
+        out = torch.empty_like(half, dtype=torch.float32)
+    bits = out.view(torch.int32)  # (top << 16) + remainder: split subtracted the carry's 0x10000 from the low half
+    bits.copy_(half.view(torch.int16))
+    bits.bitwise_left_shift_(16)
+    bits.add_(rem)
+    return out
+
+
+def fingerprint(half: Tensor) -> Tensor:
+    """The sum and the sum of squares of the bit patterns of ``half`` (int64, on its device): what changes when an
+    edit changes its values.
+
+    Example:
+        ```python
+        w = torch.randn(8).to(torch.bfloat16)
+        before = fingerprint(w)
+        w.clamp_(-0.5, 0.5)
+        assert not torch.equal(fingerprint(w), before)
+        ```
+    """
+    return _fingerprint(half.detach().view(torch.int16).to(torch.int32))
+
+
+def _fingerprint(patterns: Tensor) -> Tensor:
+    """:func:`fingerprint` of int32 bf16 patterns (sign-extended), squared in place."""
+    total = patterns.sum(dtype=torch.int64)
+    return torch.stack([total, patterns.mul_(patterns).sum(dtype=torch.int64)])
+
+
+class RemainderStore:
+    """The bf16 weights of parameters on one device and the 16-bit remainders of their fp32 masters, laid flat alike,
+    with a fingerprint of each weight; a chunk's fp32 masters hold values only while it is awake (:meth:`wake`).
+
+    The masters are views of one fp32 buffer per chunk whose memory is given back while the chunk sleeps: the same
+    tensor objects from step to step, so the optimizer's state and the plans keyed by them stay valid.
+
+    Args:
+        params: bf16 parameters on one device.
+        values: their fp32 masters, aligned with ``params``.
+        chunk: about how many elements each chunk holds.
+
+    Example:
+        ```python
+        params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2)]
+        values = [torch.randn(3), torch.randn(3)]
+        store = RemainderStore(params, values, chunk=2**24)
+        assert torch.equal(store.value(params[0]), values[0])  # exact, while the chunk sleeps
+        store.wake(0)
+        assert torch.equal(store.masters[store.position(params[1])], values[1])
+        store.sleep(0)
+        ```
+    """
+
+    def __init__(self, params: Sequence[Tensor], values: Sequence[Tensor], chunk: int) -> None:
+        self.halves = HalfWeights(params, chunk)
+        self.layout = layout = self.halves.layout
+        device = self.halves.device
+        self.rem = torch.empty(layout.numel, dtype=torch.int16, device=device)
+        self.rems = layout.views(self.rem)  # each master's remainder, in the layout's order
+        self._buffers = [torch.empty(c.numel, dtype=torch.float32, device=device) for c in layout.chunks]
+        self._nbytes = [b.untyped_storage().nbytes() for b in self._buffers]
+        self.masters = [m for b, c in zip(self._buffers, layout.chunks) for m in layout.views(b, c)]
+        self.prints: list[Tensor] = []  # per chunk: each weight's fingerprint when its master last slept
+        self.awake: set[int] = set()  # chunks whose masters hold values
+        value_of = dict(zip(params, values))
+        for k, c in enumerate(layout.chunks):
+            self._buffers[k].untyped_storage().resize_(self._nbytes[k])
+            with torch.no_grad():
+                _compat.foreach_copy_(
+                    self.masters[c.first : c.stop], [value_of[p] for p in layout.tensors[c.first : c.stop]]
+                )
+            self.prints.append(torch.empty(0))
+            self.awake.add(k)
+            self.sleep(k)
+
+    @property
+    def params(self) -> list[Tensor]:
+        return self.layout.tensors
+
+    def position(self, param: Tensor) -> int:
+        return self.layout.position[param]
+
+    def chunk_of(self, position: int) -> int:
+        """The chunk that holds the parameter at ``position``."""
+        for k, c in enumerate(self.layout.chunks):
+            if position < c.stop:
+                return k
+        raise IndexError(position)
+
+    def _slice(self, flat: Tensor, k: int) -> Tensor:
+        c = self.layout.chunks[k]
+        return flat[c.offset : c.offset + c.numel]
+
+    # ------------------------------------------------------------------ sleep and wake
+    def wake(self, k: int) -> None:
+        """Rebuild chunk ``k``'s fp32 masters from its weights and remainders."""
+        if k in self.awake:
+            return
+        self._buffers[k].untyped_storage().resize_(self._nbytes[k])
+        with torch.no_grad():
+            join(self._slice(self.halves.flat, k), self._slice(self.rem, k), out=self._buffers[k])
+        self.awake.add(k)
+
+    def sleep(self, k: int, write_halves: bool = True) -> None:
+        """Put chunk ``k``'s masters back into its weights (unless not ``write_halves``: they are the masters' already)
+        and remainders, fingerprint the weights, and give the masters' memory back."""
+        if k not in self.awake:
+            return
+        with torch.no_grad():
+            half, rem, patterns = _split(self._buffers[k])
+            if write_halves:
+                self._slice(self.halves.flat, k).copy_(half)
+            self._slice(self.rem, k).copy_(rem)
+            self.prints[k] = self._prints(patterns, k)
+        self._buffers[k].untyped_storage().resize_(0)
+        self.awake.discard(k)
+
+    def free(self, k: int) -> None:
+        """Give chunk ``k``'s masters' memory back without writing them: nothing changed them since :meth:`wake`."""
+        self._buffers[k].untyped_storage().resize_(0)
+        self.awake.discard(k)
+
+    # ------------------------------------------------------------------ edits
+    def _prints(self, patterns: Tensor, k: int) -> Tensor:
+        """Each weight's fingerprint in chunk ``k`` (``[n, 2]`` int64) from its int32 bit patterns (squared in
+        place)."""
+        chunk = self.layout.chunks[k]
+        sums = [self.layout.rows(patterns, run, chunk).sum(1, dtype=torch.int64) for run in chunk.runs]
+        patterns.mul_(patterns)
+        squares = [self.layout.rows(patterns, run, chunk).sum(1, dtype=torch.int64) for run in chunk.runs]
+        if not sums:
+            return torch.zeros(0, 2, dtype=torch.int64, device=patterns.device)
+        return torch.stack([torch.cat(sums), torch.cat(squares)], 1)
+
+    def check(self) -> Tensor:
+        """Which weights (in the layout's order) user code edited since their masters last slept, on the device: an
+        edited weight's remainder is zeroed, so its master is the edited value exactly, and it is fingerprinted anew."""
+        flags = []
+        with torch.no_grad():
+            for k, chunk in enumerate(self.layout.chunks):
+                now = self._prints(self._slice(self.halves.flat, k).view(torch.int16).to(torch.int32), k)
+                edited = torch.ne(now, self.prints[k]).any(1)
+                rem = self._slice(self.rem, k)
+                for run in chunk.runs:
+                    rows = self.layout.rows(rem, run, chunk)
+                    rows.masked_fill_(edited[run.first - chunk.first : run.first - chunk.first + run.count, None], 0)
+                self.prints[k] = now
+                flags.append(edited)
+        return torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool)
+
+    def check_one(self, position: int) -> Tensor:
+        """:meth:`check` of the weight at ``position`` alone (0-dim flag, on the device)."""
+        k = self.chunk_of(position)
+        row = position - self.layout.chunks[k].first
+        with torch.no_grad():
+            now = fingerprint(self.params[position])
+            edited = torch.ne(now, self.prints[k][row]).any()
+            self.rems[position].masked_fill_(edited, 0)
+            self.prints[k][row] = now
+        return edited
+
+    def fingerprint_all(self) -> None:
+        """Fingerprint every weight anew (the weights were written on purpose, e.g. made equal across processes)."""
+        with torch.no_grad():
+            for k in range(len(self.layout.chunks)):
+                self.prints[k] = self._prints(self._slice(self.halves.flat, k).view(torch.int16).to(torch.int32), k)
+
+    def reprint(self, position: int) -> None:
+        """Fingerprint the weight at ``position`` anew (its weight was written on purpose)."""
+        k = self.chunk_of(position)
+        row = position - self.layout.chunks[k].first
+        self.prints[k][row] = fingerprint(self.params[position])
+
+    # ------------------------------------------------------------------ one master
+    def value(self, param: Tensor) -> Tensor:
+        """``param``'s fp32 master, in a tensor of its own."""
+        i = self.position(param)
+        if self.chunk_of(i) in self.awake:
+            return self.masters[i].detach().clone()
+        with torch.no_grad():
+            return join(param.detach(), self.rems[i])
+
+    def load(self, param: Tensor, master: Tensor) -> Tensor:
+        """Make ``master`` (fp32) ``param``'s master: its weight and remainder written, fingerprinted; returns the
+        weight."""
+        i = self.position(param)
+        half, rem = split(master)
+        with torch.no_grad():
+            param.detach().copy_(half)
+            self.rems[i].copy_(rem)
+            if self.chunk_of(i) in self.awake:
+                self.masters[i].copy_(master)
+        self.reprint(i)
+        return half
