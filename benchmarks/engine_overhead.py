@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mpt.core.engine import MixedPrecisionEngine  # noqa: E402
+from lightning_mpt.core.masters._edits import FlatEdits  # noqa: E402
 from lightning_mpt.core.masters._flat import FlatLayout  # noqa: E402
+from lightning_mpt.core.masters._halves import HalfWeights  # noqa: E402
 from lightning_mpt.core.masters.copies import CopyMasters  # noqa: E402
 from lightning_mpt.core.scaler import DynamicLossScaler  # noqa: E402
 
@@ -100,7 +102,7 @@ def timed_parts() -> dict[str, list[float]]:
     wrapped = [
         (_flow.GradientFlow, "collect", "collect (which gradients)"),
         (_flow.GradientFlow, "_to_fp32", "copy to fp32 (all)"),
-        (_edits, "_any_edited", "  of which: edit check"),
+        (_edits.WeightEdits, "flags", "edit check"),
         (_flow, "_unscale_", "unscale"),
         (_flow.GradientFlow, "sync_edits", "sync_edits"),
         (_groups.GroupSwap, "swap", "swap (x2)"),
@@ -155,27 +157,27 @@ def conversion(tensors: int, dtype: torch.dtype) -> float:
 
 def tensor_passes(steps: int, depth: int, width: int, dtype: torch.dtype, device: torch.device) -> list[float]:
     """Seconds per step of the plugin's tensor work alone, without its bookkeeping (``--floor``): the half gradients
-    copied into one fp32 buffer, the edit check (the half weights stacked per shape, the masters rounded into a half
-    buffer, the bits compared), the unscale with its non-finite check, and the masters rounded into the weights."""
-    halves = [p.detach().to(dtype) for p in deep_mlp(depth, width).to(device).parameters()]
-    masters = [h.float() for h in halves]
+    copied into one fp32 buffer, the edit check (the masters rounded into a scratch laid out as the flat half weights,
+    the bits compared at once), the unscale with its non-finite check, and the masters rounded into the weights."""
+    halves = [torch.nn.Parameter(p.detach().to(dtype)) for p in deep_mlp(depth, width).to(device).parameters()]
+    masters = [h.detach().float() for h in halves]
     grads = [torch.randn_like(h) for h in halves]
-    layout = FlatLayout(masters)  # the plugin's: each shape's tensors side by side in one buffer
+    layout = FlatLayout(masters)  # the plugin's gradient buffer: each shape's tensors side by side
     fp32, views = layout.views(torch.float32, device)
-    rounded, rounded_views = layout.views(dtype, device, "rounded masters")
-    groups = [[halves[i] for i in idx] for idx in layout.groups]
-    blocks = [rounded[o : o + len(group) * group[0].numel()] for o, group in zip(layout.offsets, groups)]
+    flat = HalfWeights(halves, chunk=2**24)  # the plugin's flat half weights and its edit check
+    check = FlatEdits(flat)
+    master_of = dict(zip(halves, masters))
+    aligned = [master_of[p] for p in flat.params]
     found, inv = torch.zeros((), device=device), torch.full((), 1 / 1024, device=device)
     times = []
     for _ in range(steps):
         settle(device)
         t = clock()
         torch._foreach_copy_(views, grads)
-        stacks = [torch.stack(group).reshape(-1) for group in groups]
-        torch._foreach_copy_(rounded_views, masters)
-        [torch.equal(s.view(torch.int16), b.view(torch.int16)) for s, b in zip(stacks, blocks)]
+        check.flags(aligned)
         torch._amp_foreach_non_finite_check_and_unscale_([fp32], found, inv)
-        torch._foreach_copy_(halves, masters)
+        with torch.no_grad():
+            torch._foreach_copy_(halves, masters)
         settle(device)
         times.append(clock() - t)
     return times

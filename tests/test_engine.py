@@ -11,8 +11,6 @@ from torch import nn
 
 from lightning_mpt import DynamicLossScaler, NonFiniteGradientError
 from lightning_mpt.core.engine import MixedPrecisionEngine
-from lightning_mpt.core.masters._edits import _each_edited
-from lightning_mpt.core.masters._flat import FlatLayout
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.steps import StepLog
 
@@ -267,18 +265,24 @@ def test_a_weight_whose_data_user_code_made_fp32_is_checked_and_its_value_adopte
     engine.step(opt, pending)
 
 
-def test_the_per_weight_edit_check_of_gpus_flags_each_edited_weight():
-    """The check a GPU runs (fused kernels, a flag per weight; the CPU compares everything at once), run on CPU
-    tensors: masters rounded into a scratch of its own, with and without a layout's reused buffer, an empty weight
-    never flagged, and the buffer given back after the check."""
+def test_the_flat_edit_check_flags_each_edited_weight_and_gives_its_scratch_back():
+    """The edit check of 4-byte masters over flat weights: nothing edited is known from one comparison (a CPU); an edit
+    gives a flag per weight (what a GPU computes always), an empty weight never flagged; the scratch of rounded masters
+    holds no memory after the check."""
+    from lightning_mpt.core.masters._edits import FlatEdits
+    from lightning_mpt.core.masters._halves import HalfWeights
+
     torch.manual_seed(0)
     masters = [torch.randn(4, 4), torch.randn(3), torch.randn(4, 4), torch.zeros(0)]
-    params = [m.half() for m in masters]
-    layout = FlatLayout(masters)
-    for with_layout in (None, layout):
-        assert _each_edited(params, masters, with_layout).tolist() == [False] * 4
-    params[2][1, 1] += 1
-    params[1][0] = -params[1][0]
-    for with_layout in (None, layout):
-        assert _each_edited(params, masters, with_layout).tolist() == [False, True, True, False]
-    assert [kept.flat.untyped_storage().nbytes() for kept in layout._kept.values()] == [0]
+    params = [nn.Parameter(m.half()) for m in masters]
+    halves = HalfWeights(params, chunk=16)  # three chunks: the comparison runs a chunk at a time
+    check = FlatEdits(halves)
+    master_of = dict(zip(params, masters))
+    aligned = [master_of[p] for p in halves.params]
+    assert len(halves.layout.chunks) == 3
+    assert check.flags(aligned) is None
+    params[2].data[1, 1] += 1
+    params[1].data[0] = -params[1].data[0]
+    edited = dict(zip(halves.params, check.flags(aligned).tolist()))
+    assert [edited[p] for p in params] == [False, True, True, False]
+    assert check.scratch.untyped_storage().nbytes() == 0

@@ -566,14 +566,22 @@ def test_accepted_shardings(one_process):
 
 def test_a_norm_layer_in_a_half_group_is_reported_once_per_process(one_process, caplog):
     """An example or a sweep that fits the same model twice (two precisions) is told once, not at every fit."""
-    # rank_zero_info: an INFO record of Fabric's rank-zero logger (set there: another test may quieten its parents)
-    caplog.set_level(logging.INFO, logger="lightning.fabric.utilities.rank_zero")
-    for fmt in ("bf16", "fp16"):
-        model = nn.Sequential(collections.OrderedDict(reported_once=Net()))  # names no other test's note has
-        plugin = MPTPrecision(fmt)
-        fully_shard(model, mp_policy=plugin.mp_policy)
-        plugin.convert_module(model)
-        plugin.teardown()
+    # rank_zero_info: an INFO record of Fabric's rank-zero logger, caught on that logger itself (another test may have
+    # quietened its parents or stopped it propagating)
+    logger = logging.getLogger("lightning.fabric.utilities.rank_zero")
+    level = logger.level
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for fmt in ("bf16", "fp16"):
+            model = nn.Sequential(collections.OrderedDict(reported_once=Net()))  # names no other test's note has
+            plugin = MPTPrecision(fmt)
+            fully_shard(model, mp_policy=plugin.mp_policy)
+            plugin.convert_module(model)
+            plugin.teardown()
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
     said = [
         r.getMessage()
         for r in caplog.records

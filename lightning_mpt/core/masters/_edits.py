@@ -4,111 +4,19 @@ refresh undoing them. A half weight was edited when it differs from its master r
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from lightning_mpt import _compat
-from lightning_mpt.core.masters._flat import FlatLayout
 from lightning_mpt.core.masters._halves import HalfWeights
 
 
-def edit_flags(params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout] = None) -> Tensor:
-    """Whether each half weight differs from its rounded master, on the device. On CPU a single flag for all of them:
-    :func:`edited_pairs` then finds which.
-
-    Args:
-        params: the half weights.
-        masters: their fp32 masters.
-        layout: the :class:`FlatLayout` of ``masters``, when known: the masters are rounded into its reused buffer of
-            the half format (on CPU the weights of each of its shapes are then compared at once).
-
-    Example:
-        ```python
-        w = torch.tensor([1.0, 2.0], dtype=torch.float16)
-        m = torch.tensor([1.0, 2.0001])  # rounds to w: not an edit
-        assert not edit_flags([w], [m]).any()
-        w[0] = 3.0
-        assert edit_flags([w], [m]).all()
-        ```
-    """
-    if not params:
-        return torch.zeros(0, dtype=torch.bool)
-    if params[0].device.type == "cpu":
-        # CPUs emulate half arithmetic (60 ms for 3.4M values) and pay per tensor in Python: one comparison of the
-        # bit patterns of everything, a single flag; which parameters were edited is worked out only if one was
-        return _any_edited(params, masters, layout).reshape(1)
-    return _each_edited(params, masters, layout)
-
-
-def _each_edited(params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout]) -> Tensor:
-    """One flag per half weight, from fused multi-tensor kernels: the masters rounded into a scratch of the weights'
-    format, minus the weights, each difference's largest magnitude. The scratch is a buffer of its own (``layout``'s
-    reused one when the weights share a format), never the half gradients: user code may hold those."""
-    dtype, device = params[0].dtype, params[0].device
-    if layout is not None and all(p.dtype == dtype for p in params):
-        scratch = layout.views(dtype, device, "rounded masters")[1]
-    else:
-        layout, scratch = None, [torch.empty_like(p) for p in params]
-    _compat.foreach_copy_(scratch, masters)  # the masters rounded to the half format
-    flags = torch.zeros(len(params), dtype=torch.bool, device=device)
-    full = [i for i, t in enumerate(scratch) if t.numel()]  # an empty tensor cannot be edited (nor normed)
-    if full:  # one fused launch per op: difference, then each tensor's largest
-        _compat.foreach_sub_([scratch[i] for i in full], [params[i].detach() for i in full])
-        changed = torch.stack(list(_compat.foreach_norm([scratch[i] for i in full], float("inf")))) != 0
-        flags = (
-            changed
-            if len(full) == len(params)
-            else flags.index_copy(0, torch.tensor(full, device=flags.device), changed)
-        )
-    del scratch  # dead now: its memory goes back
-    if layout is not None:
-        layout.release("rounded masters")
-    return flags
-
-
-def _any_edited(params: list[Tensor], masters: list[Tensor], layout: Optional[FlatLayout]) -> Tensor:
-    """Whether any half weight differs from its master rounded (0-dim): the weights, and the masters, of one shape
-    stacked in one call each, not viewed or copied one by one from Python (which costs more than the comparison),
-    the masters rounded in one cast (the rounding of a copy into the half format), into ``layout``'s buffer of the
-    half format when given (its views reused from step to step). A group of mixed dtypes is stacked in the widest:
-    that may flag an unedited weight, never miss an edited one, and :func:`edited_pairs` compares each weight exactly
-    once a flag is up."""
-    if layout is None:
-        layout = FlatLayout(masters)
-    groups = layout.groups
-    with torch.no_grad():  # the weights' stack needs no autograd record
-        halves = [torch.stack([params[i] for i in idx]).reshape(-1) for idx in groups]
-        dtype = halves[0].dtype
-        if any(h.dtype != dtype for h in halves):  # a weight's data replaced by another format: the widest
-            dtype = functools.reduce(torch.promote_types, [h.dtype for h in halves])
-            halves = [h.to(dtype) for h in halves]
-        # not the step's gradient buffer, which the caller holds now: a purpose of its own
-        flat, views = layout.views(dtype, masters[0].device, "rounded masters")
-        _compat.foreach_copy_(views, masters)
-        # one comparison per shape: concatenating the stacks would hold 4 more bytes per parameter at the step's peak
-        same = all(_bits_equal(h, flat[o : o + h.numel()]) for h, o in zip(halves, layout.offsets))
-    del flat, views  # dead now: their memory goes back
-    layout.release("rounded masters")
-    return torch.tensor(not same)
-
-
-def edit_flags_of(pairs: list[tuple[Tensor, Tensor]]) -> list[float]:
-    """:func:`edit_flags` of ``(half weight, master)`` pairs, read on the host (one sync)."""
-    if not pairs:
-        return []
-    with torch.no_grad():
-        flags = edit_flags([p for p, _ in pairs], [m for _, m in pairs])
-    return list(flags.tolist())
-
-
 def edited_pairs(pairs: list[tuple[Tensor, Tensor]], flags: list[float]) -> list[tuple[Tensor, Tensor]]:
-    """The ``(half weight, master)`` pairs that ``flags`` (host values of :func:`edit_flags`) mark as edited. Fewer
-    flags than pairs (CPU flags a range of pairs at once) say only that one was: each is compared then, which is
-    rare."""
-    if len(flags) != len(pairs):  # a flag per range of pairs (CPU compares each range at once): one was edited
+    """The ``(half weight, master)`` pairs that ``flags`` (host values of :meth:`WeightEdits.flags`) mark as edited.
+    Fewer flags than pairs say only that one was: each is compared then, which is rare."""
+    if len(flags) != len(pairs):  # one flag for several pairs: one was edited
         if not any(flags):
             return []
         flags = [float(bits_differ(m.to(p.dtype), p)) for p, m in pairs]
@@ -123,10 +31,11 @@ def copy_into_masters(pairs: list[tuple[Tensor, Tensor]]) -> None:
 
 
 def _bits_equal(a: Tensor, b: Tensor) -> bool:
-    """Whether two flat half tensors on the CPU hold the same bits (:func:`bits_differ` read at once: the CPU needs no
-    sync, and ``torch.equal`` stops at the first difference)."""
-    word = _word(a, b)
-    return torch.equal(a.view(word), b.view(word))
+    """Whether two flat int16 tensors on the CPU hold the same bits: as int64 words of four values where both start
+    on a word (the CPU needs no sync, and ``torch.equal`` stops at the first difference)."""
+    n = a.numel() // 4 * 4 if a.storage_offset() % 4 == 0 and b.storage_offset() % 4 == 0 else 0
+    head = torch.equal(a[:n].view(torch.int64), b[:n].view(torch.int64)) if n else True
+    return head and torch.equal(a[n:], b[n:])
 
 
 def _word(a: Tensor, b: Tensor) -> torch.dtype:
@@ -191,7 +100,7 @@ class FlatEdits:
                     _compat.foreach_copy_(views, masters[chunk.first : chunk.stop])
                     weights = halves.flat[chunk.offset : chunk.offset + chunk.numel].view(torch.int16)
                     rounded = self.scratch[: chunk.numel].view(torch.int16)
-                    if cpu and torch.equal(weights, rounded):  # the usual case: one comparison, stopped at a difference
+                    if cpu and _bits_equal(weights, rounded):  # the usual case: one comparison, stopped at a difference
                         parts.append(torch.zeros(chunk.stop - chunk.first, dtype=torch.bool))
                         continue
                     differ = True

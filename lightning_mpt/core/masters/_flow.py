@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Generator, Iterator
-from operator import attrgetter, is_
+from itertools import repeat
+from operator import attrgetter, is_, is_not
 from typing import Optional
 
 import torch
@@ -94,7 +95,7 @@ class GradientFlow:
                     self.add_master(p, p.detach().float())
                 plan = self.groups.plan(optimizer)
         halves = list(map(_GRAD, plan.params))
-        if None not in halves:  # the usual case: every one has one (sparse ones are refused at the copy)
+        if all(map(is_not, halves, repeat(None))):  # the usual case: every one has one (sparse refused at the copy)
             out.params, out.masters = list(plan.params), list(plan.masters)
         else:
             kept = []

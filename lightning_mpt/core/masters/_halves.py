@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+_ALIGN = 4  # elements: each chunk starts at a multiple of it
+
 # memory formats whose strides a view of a flat buffer can keep (a channels-last convolution stays channels-last)
 _DENSE_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
@@ -66,7 +68,8 @@ def ranges(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
 
 class ChunkLayout:
     """Where tensors lie in one flat buffer: a chunk of about ``chunk`` elements at a time, in their order, and inside a
-    chunk sorted by size, so that equal sizes lie side by side (:class:`Run`).
+    chunk sorted by size, so that equal sizes lie side by side (:class:`Run`). Each chunk starts at a multiple of four
+    elements (a few unused ones between chunks).
 
     Args:
         tensors: the tensors to lay out (their shapes and dense strides are kept).
@@ -86,6 +89,7 @@ class ChunkLayout:
         chunks: list[Chunk] = []
         offset = 0
         for start, stop in ranges([t.numel() for t in tensors], chunk):
+            offset = -(-offset // _ALIGN) * _ALIGN  # a chunk of 2-byte values compares as 8-byte words
             first, begin = len(order), offset
             runs: list[Run] = []
             for i in sorted(range(start, stop), key=lambda i: tensors[i].numel()):  # stable: equal sizes keep order
