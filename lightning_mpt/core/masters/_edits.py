@@ -97,6 +97,7 @@ class FlatEdits:
         try:
             with torch.no_grad():
                 for chunk, views in zip(layout.chunks, self.views):
+                    self.scratch[: chunk.numel].zero_()  # the unused ends of the slots, zero in the weights too
                     _compat.foreach_copy_(views, masters[chunk.first : chunk.stop])
                     weights = halves.flat[chunk.offset : chunk.offset + chunk.numel].view(torch.int16)
                     rounded = self.scratch[: chunk.numel].view(torch.int16)

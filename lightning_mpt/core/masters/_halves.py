@@ -20,7 +20,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-_ALIGN = 4  # elements: each chunk starts at a multiple of it
+WORD = 4  # 2-byte values per 8-byte word: every tensor starts on a word
+
+
+def slot(numel: int) -> int:
+    """The elements a tensor of ``numel`` takes in a flat buffer: whole words (the rest of its last word unused)."""
+    return -(-numel // WORD) * WORD
+
 
 # memory formats whose strides a view of a flat buffer can keep (a channels-last convolution stays channels-last)
 _DENSE_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
@@ -32,7 +38,7 @@ class Run:
 
     first: int  # the first tensor's position in the layout
     count: int
-    numel: int
+    numel: int  # elements of each one's slot (its own, then unused ones up to a whole word)
     offset: int  # the first tensor's first element in the flat buffer
 
 
@@ -68,8 +74,8 @@ def ranges(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
 
 class ChunkLayout:
     """Where tensors lie in one flat buffer: a chunk of about ``chunk`` elements at a time, in their order, and inside a
-    chunk sorted by size, so that equal sizes lie side by side (:class:`Run`). Each chunk starts at a multiple of four
-    elements (a few unused ones between chunks).
+    chunk sorted by size, so that equal sizes lie side by side (:class:`Run`). Each tensor starts on an 8-byte word of
+    2-byte values (:func:`slot`), so that a value per tensor is a sum of words; the unused elements stay zero.
 
     Args:
         tensors: the tensors to lay out (their shapes and dense strides are kept).
@@ -81,6 +87,7 @@ class ChunkLayout:
         flat = torch.arange(float(layout.numel))
         views = layout.views(flat)
         assert [tuple(v.shape) for v in views] == [(4,), (2, 3), (2, 3)] and layout.chunks[0].runs[1].count == 2
+        assert layout.numel == 4 + 8 + 8  # each tensor on whole words of four elements
         ```
     """
 
@@ -89,11 +96,10 @@ class ChunkLayout:
         chunks: list[Chunk] = []
         offset = 0
         for start, stop in ranges([t.numel() for t in tensors], chunk):
-            offset = -(-offset // _ALIGN) * _ALIGN  # a chunk of 2-byte values compares as 8-byte words
             first, begin = len(order), offset
             runs: list[Run] = []
-            for i in sorted(range(start, stop), key=lambda i: tensors[i].numel()):  # stable: equal sizes keep order
-                n = tensors[i].numel()
+            for i in sorted(range(start, stop), key=lambda i: slot(tensors[i].numel())):  # stable: order kept
+                n = slot(tensors[i].numel())
                 if runs and runs[-1].numel == n:
                     last = runs[-1]
                     runs[-1] = Run(last.first, last.count + 1, n, last.offset)
@@ -152,7 +158,7 @@ class HalfWeights:
         b = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
         halves = HalfWeights([w, b], chunk=2**24)
         assert w.untyped_storage().data_ptr() == halves.flat.untyped_storage().data_ptr()
-        assert halves.moved() == [] and torch.equal(halves.flat, torch.tensor([0, 0, 1, 1, 1, 1.0]).half())
+        assert halves.moved() == [] and torch.equal(halves.flat, torch.tensor([1, 1, 1, 1, 0, 0, 0, 0.0]).half())
         ```
     """
 
@@ -160,7 +166,7 @@ class HalfWeights:
         self.layout = ChunkLayout(params, chunk)
         self.params = self.layout.tensors
         first = self.params[0]
-        self.flat = torch.empty(self.layout.numel, dtype=first.dtype, device=first.device)
+        self.flat = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for p, view in zip(self.params, self.layout.views(self.flat)):
                 view.copy_(p.detach())

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpt import _compat
-from lightning_mpt.core.masters._halves import HalfWeights
+from lightning_mpt.core.masters._halves import HalfWeights, slot
 
 
 def split(master: Tensor) -> tuple[Tensor, Tensor]:
@@ -29,23 +29,10 @@ def split(master: Tensor) -> tuple[Tensor, Tensor]:
         assert torch.equal(join(half, rem), tie)
         ```
     """
-    half, rem, _ = _split(master)
+    half = torch.empty_like(master, dtype=torch.bfloat16)
+    rem = torch.empty_like(master, dtype=torch.int16)
+    _split_into(master, half.view(torch.int16), rem)
     return half, rem
-
-
-def _split(master: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`split`, and the bf16 patterns as int32 (sign-extended: what :func:`fingerprint` sums)."""
-    bits = master.view(torch.int32)
-    top = bits >> 16  # the truncated bf16 pattern, sign-extended
-    low = bits & 0xFFFF
-    carry = low >= 0x8000
-    # a carry keeps an infinity or a NaN non-finite (an infinity has no low bits; a NaN's pattern plus one is a NaN),
-    # except from the NaN patterns 0x7FFF and 0xFFFF, whose carry would wrap to a zero: those are truncated, and their
-    # low half does not fit an int16 (the rebuilt value is another NaN)
-    carry &= (top & 0x7FFF) != 0x7FFF
-    top += carry
-    low.sub_(carry.to(torch.int32), alpha=0x10000)  # now in [-0x8000, 0x7FFF] but for those NaNs
-    return top.to(torch.int16).view(torch.bfloat16), low.to(torch.int16), top
 
 
 def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -72,8 +59,10 @@ def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
 
 
 def fingerprint(half: Tensor) -> Tensor:
-    """The sum and the sum of squares of the bit patterns of ``half`` (int64, on its device): what changes when an
-    edit changes its values.
+    """The sum of the bit patterns of ``half`` read as 8-byte words in memory order (int64, wrapping, 0-dim, on its
+    device; the last word filled with zeros): what changes when an edit changes its values. Each value counts with a
+    weight of ``2**(16 k)`` by its place ``k`` in its word, so no edit of one value goes unseen, and an edit of many
+    only if their changes cancel exactly.
 
     Example:
         ```python
@@ -83,13 +72,25 @@ def fingerprint(half: Tensor) -> Tensor:
         assert not torch.equal(fingerprint(w), before)
         ```
     """
-    return _fingerprint(half.detach().view(torch.int16).to(torch.int32))
+    bits = half.detach().as_strided((half.numel(),), (1,)).view(torch.int16)  # memory order (a dense tensor)
+    return torch.nn.functional.pad(bits, (0, slot(bits.numel()) - bits.numel())).view(torch.int64).sum()
 
 
-def _fingerprint(patterns: Tensor) -> Tensor:
-    """:func:`fingerprint` of int32 bf16 patterns (sign-extended), squared in place."""
-    total = patterns.sum(dtype=torch.int64)
-    return torch.stack([total, patterns.mul_(patterns).sum(dtype=torch.int64)])
+def _split_into(master: Tensor, half: Tensor, rem: Tensor) -> None:
+    """:func:`split` of ``master`` into ``half`` (an int16 view of bf16) and ``rem``. ``(bits + 0x8000) >> 16`` rounds
+    the bit pattern with ties away from zero (the low half ``>= 0x8000`` carries into the top half); the remainder
+    ``bits - (top << 16)`` lies in ``[-0x8000, 0x7FFF]``. A carry keeps an infinity or a NaN non-finite (an infinity has
+    no low bits; a NaN's pattern plus one is a NaN), except from the NaN patterns whose top half is 0x7FFF or 0xFFFF:
+    there the carry would make a zero, whose sign differs from the master's, so it is taken back (truncated), and their
+    low half does not fit an int16 (the rebuilt value is another NaN)."""
+    bits = master.view(torch.int32)
+    top = bits + 0x8000
+    top.bitwise_right_shift_(16)
+    top.add_(torch.bitwise_xor(top, bits) < 0, alpha=-1)  # 0x8000 - 1 wraps to 0x7FFF in the int16 cast
+    half.copy_(top)
+    top.bitwise_left_shift_(16)
+    torch.sub(bits, top, out=top)
+    rem.copy_(top)
 
 
 class RemainderStore:
@@ -120,7 +121,7 @@ class RemainderStore:
         self.halves = HalfWeights(params, chunk)
         self.layout = layout = self.halves.layout
         device = self.halves.device
-        self.rem = torch.empty(layout.numel, dtype=torch.int16, device=device)
+        self.rem = torch.zeros(layout.numel, dtype=torch.int16, device=device)
         self.rems = layout.views(self.rem)  # each master's remainder, in the layout's order
         self._buffers = [torch.empty(c.numel, dtype=torch.float32, device=device) for c in layout.chunks]
         self._nbytes = [b.untyped_storage().nbytes() for b in self._buffers]
@@ -130,6 +131,7 @@ class RemainderStore:
         value_of = dict(zip(params, values))
         for k, c in enumerate(layout.chunks):
             self._buffers[k].untyped_storage().resize_(self._nbytes[k])
+            self._buffers[k].zero_()  # the unused ends of the slots: zero weights and remainders
             with torch.no_grad():
                 _compat.foreach_copy_(
                     self.masters[c.first : c.stop], [value_of[p] for p in layout.tensors[c.first : c.stop]]
@@ -172,11 +174,12 @@ class RemainderStore:
         if k not in self.awake:
             return
         with torch.no_grad():
-            half, rem, patterns = _split(self._buffers[k])
+            weights = self._slice(self.halves.flat, k).view(torch.int16)
             if write_halves:
-                self._slice(self.halves.flat, k).copy_(half)
-            self._slice(self.rem, k).copy_(rem)
-            self.prints[k] = self._prints(patterns, k)
+                _split_into(self._buffers[k], weights, self._slice(self.rem, k))
+            else:
+                _split_into(self._buffers[k], torch.empty_like(weights), self._slice(self.rem, k))
+            self.prints[k] = self._prints(k)
         self._buffers[k].untyped_storage().resize_(0)
         self.awake.discard(k)
 
@@ -186,16 +189,12 @@ class RemainderStore:
         self.awake.discard(k)
 
     # ------------------------------------------------------------------ edits
-    def _prints(self, patterns: Tensor, k: int) -> Tensor:
-        """Each weight's fingerprint in chunk ``k`` (``[n, 2]`` int64) from its int32 bit patterns (squared in
-        place)."""
+    def _prints(self, k: int) -> Tensor:
+        """The :func:`fingerprint` of each weight of chunk ``k``: one sum of words per run of equal sizes."""
         chunk = self.layout.chunks[k]
-        sums = [self.layout.rows(patterns, run, chunk).sum(1, dtype=torch.int64) for run in chunk.runs]
-        patterns.mul_(patterns)
-        squares = [self.layout.rows(patterns, run, chunk).sum(1, dtype=torch.int64) for run in chunk.runs]
-        if not sums:
-            return torch.zeros(0, 2, dtype=torch.int64, device=patterns.device)
-        return torch.stack([torch.cat(sums), torch.cat(squares)], 1)
+        weights = self._slice(self.halves.flat, k).view(torch.int16)
+        sums = [self.layout.rows(weights, run, chunk).view(torch.int64).sum(1) for run in chunk.runs]
+        return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=weights.device)
 
     def check(self) -> Tensor:
         """Which weights (in the layout's order) user code edited since their masters last slept, on the device: an
@@ -203,12 +202,13 @@ class RemainderStore:
         flags = []
         with torch.no_grad():
             for k, chunk in enumerate(self.layout.chunks):
-                now = self._prints(self._slice(self.halves.flat, k).view(torch.int16).to(torch.int32), k)
-                edited = torch.ne(now, self.prints[k]).any(1)
-                rem = self._slice(self.rem, k)
-                for run in chunk.runs:
-                    rows = self.layout.rows(rem, run, chunk)
-                    rows.masked_fill_(edited[run.first - chunk.first : run.first - chunk.first + run.count, None], 0)
+                now = self._prints(k)
+                edited = torch.ne(now, self.prints[k])
+                if edited.device.type != "cpu" or bool(edited.any()):  # a CPU reads it for free
+                    rem = self._slice(self.rem, k)
+                    for run in chunk.runs:
+                        at = run.first - chunk.first
+                        self.layout.rows(rem, run, chunk).masked_fill_(edited[at : at + run.count, None], 0)
                 self.prints[k] = now
                 flags.append(edited)
         return torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool)
@@ -219,7 +219,7 @@ class RemainderStore:
         row = position - self.layout.chunks[k].first
         with torch.no_grad():
             now = fingerprint(self.params[position])
-            edited = torch.ne(now, self.prints[k][row]).any()
+            edited = torch.ne(now, self.prints[k][row])
             self.rems[position].masked_fill_(edited, 0)
             self.prints[k][row] = now
         return edited
@@ -227,8 +227,7 @@ class RemainderStore:
     def fingerprint_all(self) -> None:
         """Fingerprint every weight anew (the weights were written on purpose, e.g. made equal across processes)."""
         with torch.no_grad():
-            for k in range(len(self.layout.chunks)):
-                self.prints[k] = self._prints(self._slice(self.halves.flat, k).view(torch.int16).to(torch.int32), k)
+            self.prints = [self._prints(k) for k in range(len(self.layout.chunks))]
 
     def reprint(self, position: int) -> None:
         """Fingerprint the weight at ``position`` anew (its weight was written on purpose)."""

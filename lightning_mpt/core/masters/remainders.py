@@ -150,9 +150,10 @@ class RemainderMasters(ChunkedMasters):
         self._ensure_layout()
         with torch.no_grad():
             for store in self.stores:
-                dist.broadcast(store.rem, src=src)
+                # as bytes: gloo broadcasts neither int16 nor bf16, and the bits are what the ranks must share
+                dist.broadcast(store.rem.view(torch.uint8), src=src)
                 if refresh:  # else the weights are rank ``src``'s already and a forward's graph may hold them
-                    dist.broadcast(store.halves.flat, src=src)
+                    dist.broadcast(store.halves.flat.view(torch.uint8), src=src)
                 store.fingerprint_all()
             loose = [m for p, m in self.masters.items() if p not in self._where]
             for m in loose:
