@@ -34,8 +34,9 @@ class MPTPrecision(ModuleHooks, Precision):
         scaler: ``None`` for the default (a :class:`~lightning_mpt.DynamicLossScaler` for fp16, no scaling for bf16),
             a :class:`~lightning_mpt.DynamicLossScaler`, or a number for a static scale.
         master_weights: keep fp32 masters. ``False`` steps the half weights directly (same scaler).
-        keep_fp32: module types whose parameters and buffers stay fp32 (by default all norm layers and
-            ``ParametrizationList``, the parametrized tensors); a class or a tuple of classes.
+        keep_fp32: module types whose parameters and buffers stay fp32, a class or a tuple of classes. The norm
+            layers and ``ParametrizationList`` (the parametrized tensors) stay fp32 by default; types of your own are
+            kept in addition to them. A tuple that names a default type is the whole list (``()``: none).
         max_consecutive_skips: raise :class:`~lightning_mpt.NonFiniteGradientError` after this many skipped steps in
             a row of one optimizer.
         accumulate_fp32: with gradient accumulation, sum the micro-batches' gradients in fp32 rather than in the half
