@@ -96,25 +96,34 @@ class Mode:
     half_cpu: bool = False
 
 
+def _fp16_amp() -> Any:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _mpt(**kwargs: Any) -> Callable[[], dict[str, Any]]:
     return lambda: {"plugins": [MPTPrecision(**kwargs)]}
 
 
+# the defaults: bf16 keeps its masters as 16-bit remainders, stepped in chunks of 2**24 elements; fp16 keeps 4-byte
+# masters and takes the whole step. The other rows turn options on or off against them.
+OLD_BF16 = {"master_remainders": False, "chunked_step": False}  # 4-byte masters, the whole step (before 0.4)
 MODES: list[Mode] = [
     Mode("32-true", lambda: {"precision": "32-true"}),
     Mode("bf16-mixed", lambda: {"precision": "bf16-mixed"}),
+    # fp16 autocast and torch's GradScaler on any device (Lightning maps "16-mixed" to bf16 on a CPU)
+    Mode("16-mixed", lambda: {"plugins": [_fp16_amp()]}, half_cpu=True),
     Mode("bf16-true", lambda: {"precision": "bf16-true"}),
     Mode("mpt-fp16", _mpt(precision="fp16"), half_cpu=True),
     Mode("mpt-bf16", _mpt(precision="bf16")),
+    Mode("mpt-bf16 chunked_step=2**18", _mpt(precision="bf16", chunked_step=2**18)),
+    Mode("mpt-bf16 master_remainders=False", _mpt(precision="bf16", master_remainders=False)),
+    Mode("mpt-bf16 4-byte masters, whole step", _mpt(precision="bf16", **OLD_BF16)),
     Mode("mpt-bf16 master_weights=False", _mpt(precision="bf16", master_weights=False)),
     Mode("mpt-bf16 accumulate_fp32", _mpt(precision="bf16", accumulate_fp32=True)),
+    Mode("mpt-fp16 chunked_step=True", _mpt(precision="fp16", chunked_step=True), half_cpu=True),
     Mode("mpt-fp16 chunked_step=2**18", _mpt(precision="fp16", chunked_step=2**18), half_cpu=True),
-    Mode("mpt-bf16 chunked_step=2**18", _mpt(precision="bf16", chunked_step=2**18)),
-    Mode("mpt-bf16 master_remainders", _mpt(precision="bf16", master_remainders=True)),
-    Mode(
-        "mpt-bf16 master_remainders chunked_step=2**18",
-        _mpt(precision="bf16", master_remainders=True, chunked_step=2**18),
-    ),
     Mode("bf16-true + optimi AdamW Kahan", lambda: {"precision": "bf16-true"}, "optimi AdamW Kahan"),
     # optimi's AdamW in fp32: the reference that separates its algorithm from Kahan summation in the held-out loss
     Mode("32-true + optimi AdamW", lambda: {"precision": "32-true"}, "optimi AdamW"),
@@ -122,20 +131,11 @@ MODES: list[Mode] = [
     Mode("mpt-bf16 + torchao AdamW8bit", _mpt(precision="bf16"), "torchao AdamW8bit"),
     Mode("mpt-bf16 + torchao AdamW4bit", _mpt(precision="bf16"), "torchao AdamW4bit"),
     Mode(
-        "mpt-bf16 master_remainders chunked_step=2**18 + torchao AdamW8bit",
-        _mpt(precision="bf16", master_remainders=True, chunked_step=2**18),
-        "torchao AdamW8bit",
-    ),
-    Mode(
-        "mpt-bf16 master_remainders chunked_step=2**18 + torchao AdamW8bit block 2048",
-        _mpt(precision="bf16", master_remainders=True, chunked_step=2**18),
+        "mpt-bf16 chunked_step=2**18 + torchao AdamW8bit block 2048",
+        _mpt(precision="bf16", chunked_step=2**18),
         "torchao AdamW8bit block 2048",
     ),
-    Mode(
-        "mpt-bf16 master_remainders chunked_step=2**18 + torchao AdamW4bit",
-        _mpt(precision="bf16", master_remainders=True, chunked_step=2**18),
-        "torchao AdamW4bit",
-    ),
+    Mode("mpt-bf16 4-byte masters + torchao AdamW8bit", _mpt(precision="bf16", **OLD_BF16), "torchao AdamW8bit"),
     Mode("mpt-bf16 + bnb AdamW8bit", _mpt(precision="bf16"), "bnb AdamW8bit"),
     Mode("mpt-bf16 + optimi AdamW", _mpt(precision="bf16"), "optimi AdamW"),
 ]

@@ -93,10 +93,18 @@ MiB = 2**20
 # MPTPrecision("bf16", master_weights=False): the same autocast, fp32 norm layers and step logic, but the half
 # weights stepped directly. mpt-bf16 minus it is what the master weights cost; it minus "bf16-true" the rest.
 NOMASTER = "mpt-bf16-nomaster"
-# the memory options against today's step (asked for by name: not in the defaults)
-CHUNKED = "mpt-bf16-chunked"  # MPTPrecision("bf16", chunked_step=True)
-REMAINDERS = "mpt-bf16-remainders"  # MPTPrecision("bf16", master_remainders=True, chunked_step=True)
-ALL_PRECISIONS = (*PRECISIONS, NOMASTER, CHUNKED, REMAINDERS)
+# the memory modes other than the defaults (mpt-bf16: 16-bit remainders stepped in chunks; mpt-fp16: 4-byte masters,
+# the whole step), asked for by name
+CHUNKED = "mpt-bf16-chunked"  # MPTPrecision("bf16", master_remainders=False): 4-byte masters stepped in chunks
+COPIES = "mpt-bf16-copies"  # MPTPrecision("bf16", master_remainders=False, chunked_step=False): the whole step
+FP16_CHUNKED = "mpt-fp16-chunked"  # MPTPrecision("fp16", chunked_step=True)
+OPTIONS = {
+    NOMASTER: ("bf16", {"master_weights": False}),
+    CHUNKED: ("bf16", {"master_remainders": False}),
+    COPIES: ("bf16", {"master_remainders": False, "chunked_step": False}),
+    FP16_CHUNKED: ("fp16", {"chunked_step": True}),
+}
+ALL_PRECISIONS = (*PRECISIONS, *OPTIONS)
 CPU_TRANSFORMER = ("32-true", "bf16-mixed", "bf16-true", "mpt-bf16", NOMASTER)  # CPUs have no fast fp16 matmul
 TRUE_OF = {"mpt-bf16": "bf16-true", "mpt-fp16": "16-true"}
 FAMILY = {"mpt-bf16": ("32-true", "bf16-mixed", "bf16-true", NOMASTER), "mpt-fp16": ("32-true", "16-mixed", "16-true")}
@@ -104,10 +112,9 @@ FAMILY = {"mpt-bf16": ("32-true", "bf16-mixed", "bf16-true", NOMASTER), "mpt-fp1
 
 def precision_kwargs(name: str, accelerator: str) -> dict[str, Any]:
     """``time_steps`` arguments for one of :data:`ALL_PRECISIONS` (a fresh plugin each call: plugins hold state)."""
-    if name == NOMASTER:
-        return {"plugin": MPTPrecision("bf16", master_weights=False)}
-    if name in (CHUNKED, REMAINDERS):
-        return {"plugin": MPTPrecision("bf16", chunked_step=True, master_remainders=name == REMAINDERS)}
+    if name in OPTIONS:
+        fmt, options = OPTIONS[name]
+        return {"plugin": MPTPrecision(fmt, **options)}  # type: ignore[arg-type]
     setup = precision_setup(name, accelerator)
     return {"precision": setup.get("precision"), "plugin": next(iter(setup.get("plugins", [])), None)}
 
@@ -218,6 +225,7 @@ class ByteModel:
     half_params: int  # H: elements with an fp32 master
     fp32_params: int  # F: elements kept fp32 (norm layers), stepped directly
     scaling: bool  # fp16 with a loss scaler: unscaled values are written back into the half grads
+    remainders: bool = False  # bf16's default: the masters sleep as 16-bit remainders between steps
 
     def components(self) -> list[tuple[str, int]]:
         h, f = self.half_params, self.fp32_params
@@ -227,7 +235,11 @@ class ByteModel:
         ]
         if self.scaling:
             parts.append(("unscaled grads back into the half grads (4 B read + 2 B write per half param)", 6 * h))
-        parts.append(("weight refresh (4 B read master + 2 B write half weight per half param)", 6 * h))
+        if self.remainders:
+            parts.append(("masters woken (2 + 2 B read, 4 B write per half param)", 8 * h))
+            parts.append(("masters put to sleep, the weights with them (4 B read, 2 + 2 B write)", 8 * h))
+        else:
+            parts.append(("weight refresh (4 B read master + 2 B write half weight per half param)", 6 * h))
         return parts
 
     @property
@@ -252,7 +264,8 @@ def byte_model(wl: Workload, mpt: str) -> tuple[ByteModel, list, list]:
     plugin = MPTPrecision(mpt[len("mpt-") :])  # type: ignore[arg-type]
     half, fp32 = param_split(model, plugin.keep_fp32)
     numel = lambda shapes: sum(math.prod(s) for s in shapes)
-    return ByteModel(numel(half), numel(fp32), plugin.scaler is not None), half, fp32
+    model_ = ByteModel(numel(half), numel(fp32), plugin.scaler is not None, plugin.master_remainders)
+    return model_, half, fp32
 
 
 def _sync(device: torch.device) -> None:
@@ -301,10 +314,17 @@ def bare_passes(
     device: torch.device,
     fresh: bool,
     reps: int = 10,
+    remainders: bool = False,
 ) -> float:
     """Seconds (best of ``reps``) of the byte model's passes as bare torch ops on tensors of the model's shapes: the
     foreach copy of the half grads into fp32, the fused AMP unscale, (the copy back into half), the foreach refresh
-    of the half weights. ``fresh``: allocate the fp32 gradients anew each time, as the plugin does per step."""
+    of the half weights, or with ``remainders`` the masters' wake and sleep over one flat buffer. ``fresh``: allocate
+    the fp32 gradients anew each time, as the plugin does per step."""
+    from lightning_mpt.core.masters._remainder_store import _split_into, join
+
+    numel = sum(math.prod(s) for s in half_shapes)
+    flat_half = torch.zeros(numel, dtype=torch.int16, device=device)
+    flat_rem, flat_master = torch.zeros_like(flat_half), torch.zeros(numel, device=device)
     half_grads = [torch.randn(s, device=device).to(dtype) for s in half_shapes]
     masters = [torch.randn(s, device=device) for s in half_shapes]
     halves = [m.to(dtype) for m in masters]
@@ -320,7 +340,11 @@ def bare_passes(
         torch._amp_foreach_non_finite_check_and_unscale_(grads + own_grads, found_inf, inv)
         if scaling:
             torch._foreach_copy_(unscaled_halves, grads)
-        torch._foreach_copy_(halves, masters)
+        if remainders:
+            join(flat_half.view(torch.bfloat16), flat_rem, out=flat_master)
+            _split_into(flat_master, flat_half, flat_rem)
+        else:
+            torch._foreach_copy_(halves, masters)
 
     best = math.inf
     for i in range(reps + 2):
@@ -352,8 +376,8 @@ def measure_floor(wl: Workload, mpt: str, device: torch.device, dram_bytes: int 
     dtype = torch.bfloat16 if mpt == "mpt-bf16" else torch.float16
     dram = copy_bandwidth(max(4 * model.half_params, dram_bytes), device)
     at_size = copy_bandwidth(4 * model.half_params, device)
-    reused = bare_passes(half, fp32, dtype, model.scaling, device, fresh=False)
-    fresh = bare_passes(half, fp32, dtype, model.scaling, device, fresh=True)
+    reused = bare_passes(half, fp32, dtype, model.scaling, device, fresh=False, remainders=model.remainders)
+    fresh = bare_passes(half, fp32, dtype, model.scaling, device, fresh=True, remainders=model.remainders)
     release_memory()
     return Floor(mpt, model, dram, at_size, reused, fresh)
 
@@ -414,7 +438,10 @@ class Summary:
     def ratio_pairs(self, w: str) -> list[tuple[str, str]]:
         present = self.runs[w]
         pairs = [(m, b) for m in ("mpt-bf16", "mpt-fp16") if m in present for b in FAMILY[m] if b in present]
-        return pairs + [(m, "mpt-bf16") for m in (CHUNKED, REMAINDERS) if m in present and "mpt-bf16" in present]
+        own = [(m, "mpt-bf16") for m in (CHUNKED, COPIES) if m in present and "mpt-bf16" in present]
+        if FP16_CHUNKED in present and "mpt-fp16" in present:
+            own.append((FP16_CHUNKED, "mpt-fp16"))
+        return pairs + own
 
     def targets(self) -> list[Target]:
         out = []
@@ -626,6 +653,11 @@ PLUGIN_METHODS = (  # labelled in profiles when they exist (names may change as 
     ("lightning_mpt.core.masters.copies", "CopyMasters", "enter"),
     ("lightning_mpt.core.masters.copies", "CopyMasters", "exit"),
     ("lightning_mpt.core.masters.copies", "CopyMasters", "release"),
+    # bf16's default: 16-bit remainders stepped in chunks (their own prepare, chunk steps, wake and sleep)
+    ("lightning_mpt.core.masters.remainders", "RemainderMasters", "prepare"),
+    ("lightning_mpt.core.masters.remainders", "RemainderMasters", "wake"),
+    ("lightning_mpt.core.masters.remainders", "RemainderMasters", "write_back"),
+    ("lightning_mpt.core.masters.chunked", "ChunkedMasters", "steps"),
     ("lightning_mpt.precision", "MPTPrecision", "pre_backward"),
     ("lightning_mpt.core.engine", "MixedPrecisionEngine", "_sync"),  # the step's one host sync
     ("torch.amp.grad_scaler", "GradScaler", "unscale_"),
@@ -799,7 +831,9 @@ def profile_markdown(w: str, profiles: list[Profile], top: int, cuda: bool) -> s
         f"**{w}**: step phases, {host}: each label's time minus the labels nested in it. `optimizer update`"
         " is `Optimizer.step` without what the closure runs inside it (forward, backward, zero_grad and the"
         " plugin's labelled methods, not Lightning's own closure bookkeeping); `CopyMasters.prepare` copies"
-        " and unscales the gradients, `CopyMasters.exit` refreshes the half weights.",
+        " and unscales the gradients, `CopyMasters.exit` refreshes the half weights; with bf16's remainders"
+        " `RemainderMasters.prepare` checks for edits, `ChunkedMasters.steps` runs the chunks, `.wake` rebuilds"
+        " a chunk's fp32 masters and `.write_back` splits them back into weights and remainders.",
         "",
         "| phase | " + " | ".join(p.precision for p in profiles) + " |",
         "|---|" + "--:|" * len(profiles),
@@ -847,8 +881,9 @@ def add_arguments(p: argparse.ArgumentParser, steps: int = 25, rounds: int = 5) 
         nargs="+",
         choices=[*ALL_PRECISIONS, "all"],
         help=f"default: all; on CPU the transformer runs 32-true and the bf16 ones only. {NOMASTER} is "
-        f"MPTPrecision('bf16', master_weights=False) (the transformer runs it by default); {CHUNKED} and {REMAINDERS} "
-        "are MPTPrecision('bf16', chunked_step=True) and the same with master_remainders=True",
+        f"MPTPrecision('bf16', master_weights=False) (the transformer runs it by default); {CHUNKED}: "
+        f"master_remainders=False (4-byte masters, chunked); {COPIES}: that and chunked_step=False (the whole step, "
+        f"the bf16 default before 0.4); {FP16_CHUNKED}: MPTPrecision('fp16', chunked_step=True)",
     )
     p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (the issue asks for at least 5)")
     p.add_argument(

@@ -19,18 +19,11 @@ from torch.optim import Optimizer
 
 from lightning_mpt._fp8_plugin import Float8Plugin
 from lightning_mpt._gradscaler import is_gradscaler_state, take_over
-from lightning_mpt.core.config import (
-    LIGHTNING_NAMES,
-    check_arguments,
-    check_chunked_step,
-    check_master_remainders,
-)
+from lightning_mpt.core.config import LIGHTNING_NAMES, MasterOptions, check_arguments
 from lightning_mpt.core.engine import MixedPrecisionEngine
 from lightning_mpt.core.fp8 import check_fp8
 from lightning_mpt.core.masters import Masters, params_of
-from lightning_mpt.core.masters.chunked import ChunkedMasters
-from lightning_mpt.core.masters.copies import CopyMasters
-from lightning_mpt.core.masters.remainders import RemainderMasters
+from lightning_mpt.core.masters.build import build_masters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.core.schedules import ScheduleGate
 from lightning_mpt.core.steps import StepRecord
@@ -67,8 +60,7 @@ class MixedPrecisionPlugin(Float8Plugin):
     max_consecutive_skips: int
     accumulate_fp32: bool
     skipped_steps_advance_schedulers: bool
-    chunked_step: Union[bool, int] = False
-    master_remainders: bool = False
+    options: MasterOptions
 
     def _init_plugin(
         self,
@@ -82,6 +74,8 @@ class MixedPrecisionPlugin(Float8Plugin):
         fp8: Any = None,
         fp8_filter: Any = None,
         fp8_emulate: Any = False,
+        chunked_step: Any = None,
+        master_remainders: Any = None,
     ) -> None:
         """The plugins' ``__init__``: check the arguments (a clear error for each), keep them, build the engine."""
         if not isinstance(skipped_steps_advance_schedulers, bool):
@@ -103,39 +97,44 @@ class MixedPrecisionPlugin(Float8Plugin):
         self.skipped_steps_advance_schedulers = skipped_steps_advance_schedulers
         self._dtype = dtype
         self._reported_edits = set()
-        masters = CopyMasters(dtype, kept, enabled=master_weights)
+        # the options as given (None: the format's default, which FSDP2 resolves its own way) and as they apply here
+        self._given = MasterOptions(master_weights, master_remainders, chunked_step, accumulate_fp32)
+        self.options = self._given.resolved(dtype)
         self._engine = MixedPrecisionEngine(
-            masters, checked_scaler, max_consecutive_skips, accumulate_fp32, on_edits=self._report_edits
+            build_masters(self.options, dtype, kept, chunks_asked=chunked_step is not None),
+            checked_scaler,
+            max_consecutive_skips,
+            accumulate_fp32,
+            on_edits=self._report_edits,
         )
         self._engine.log.gate = ScheduleGate(enabled=not skipped_steps_advance_schedulers)
 
-    def _init_memory(self, chunked_step: Any, master_remainders: Any) -> None:
-        """The memory options of both plugins (checked, kept): the masters stepped in chunks, stored in 16 bits."""
-        chunk = check_chunked_step(chunked_step, self.master_weights)
-        self.master_remainders = check_master_remainders(master_remainders, self._dtype, self.master_weights)
-        self.chunked_step = chunked_step
-        if master_remainders:
-            self._engine.masters = RemainderMasters(self.keep_fp32, chunk)
-        elif chunk is not None:
-            self._engine.masters = ChunkedMasters(self._dtype, self.keep_fp32, chunk)
+    @property
+    def chunked_step(self) -> Union[bool, int]:
+        """The chunked step in force off FSDP2: ``False``, ``True`` (chunks of ``2**24`` elements) or a size."""
+        return self.options.chunk  # type: ignore[return-value]
+
+    @property
+    def master_remainders(self) -> bool:
+        """Whether bf16 masters sleep as 16-bit remainders between steps (off FSDP2)."""
+        return bool(self.options.remainders)
 
     def _refuse_under_fsdp2(self) -> None:
-        """A clear error for the options FSDP2 cannot take: the chunked step, 16-bit masters."""
-        for option, value in (("chunked_step", self.chunked_step), ("master_remainders", self.master_remainders)):
-            if value is not False:
+        """A clear error for the options given that FSDP2 cannot take; the options FSDP2 applies."""
+        for option, value in (("chunked_step", self._given.chunk), ("master_remainders", self._given.remainders)):
+            if value not in (None, False):
                 raise ValueError(
                     f"MPTPrecision({option}=...) is not supported under FSDP2 (ModelParallelStrategy): FSDP2's fp32 "
                     "shards are the masters, and its step holds 1/N of the gradients per process already. Leave "
-                    f"{option}=False."
+                    f"{option} unset."
                 )
+        self.options = self._given.resolved(self._dtype, sharded=True)
 
     def _sharded_masters(self, loop: Loop) -> Masters:
         """FSDP2's own fp32 shards as the masters, or a clear error where they cannot be."""
         self._refuse_under_fsdp2()
         check_sharded(self.master_weights, "sharded=True, " if loop == "fabric" else "")
-        from lightning_mpt.core.masters.sharded import ShardedMasters
-
-        return ShardedMasters(self._dtype, self.keep_fp32, report_half_kept, loop=loop)
+        return build_masters(self.options, self._dtype, self.keep_fp32, loop, report_half_kept)
 
     # ------------------------------------------------------------------ public attributes
     @property
@@ -321,8 +320,8 @@ class MixedPrecisionPlugin(Float8Plugin):
 
     def __repr__(self) -> str:
         name = "fp16" if self._dtype == torch.float16 else "bf16"
-        memory = (("chunked_step", self.chunked_step), ("master_remainders", self.master_remainders))
-        chosen = "".join(f", {option}={value!r}" for option, value in memory if value is not False)
+        memory = (("chunked_step", self._given.chunk), ("master_remainders", self._given.remainders))
+        chosen = "".join(f", {option}={value!r}" for option, value in memory if value is not None)  # as given
         return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights}{chosen})"
 
 

@@ -103,8 +103,8 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         keep_fp32: Union[type[Module], tuple[type[Module], ...]] = DEFAULT_KEEP_FP32,
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
-        chunked_step: Union[bool, int] = False,
-        master_remainders: bool = False,
+        chunked_step: Union[bool, int, None] = None,
+        master_remainders: Optional[bool] = None,
         overflow_retries: int = 0,
         skipped_steps_advance_schedulers: bool = True,
         fp8: Any = None,
@@ -122,9 +122,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             fp8,
             fp8_filter,
             fp8_emulate,
+            chunked_step,
+            master_remainders,
         )
         self.overflow_retries = check_overflow_retries(overflow_retries, self.scaler)
-        self._init_memory(chunked_step, master_remainders)
         self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._averaging: list[_averaging.Adapted] = []  # weight-averaging callbacks pointed at the masters
@@ -139,7 +140,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         if strategy is not None:
             check_strategy(strategy)
         sharded = _sharded(module, strategy)
-        self._engine.masters = self._sharded_masters("trainer") if sharded else self._copy_masters
+        if sharded:
+            self._engine.masters = self._sharded_masters("trainer")
+        else:
+            self._engine.masters, self.options = self._copy_masters, self._given.resolved(self._dtype)
         # Float8Linear keeps the Linear's parameters: they get masters next (under FSDP2 it is converted before
         # fully_shard, in configure_model, and only checked here)
         module = self._convert_fp8(module, sharded)

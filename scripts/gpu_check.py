@@ -64,7 +64,8 @@ PRECISIONS = (
     "mpt-bf16",
     "mpt-fp16",
     "mpt-bf16-chunked",
-    "mpt-bf16-remainders",
+    "mpt-bf16-copies",
+    "mpt-fp16-chunked",
     "mpt-bf16-nomaster",
 )
 

@@ -12,7 +12,8 @@ in fp32 as under DDP.
 
 Runs:
   bf16-fsdp, bf16-mixed, bf16-ddp   a small transformer, 12 steps: MPTPrecision("bf16", sharded=True); Fabric's own
-                                    "bf16-mixed" with the same sharding and policy; DDP + MPTPrecision("bf16")
+                                    "bf16-mixed" with the same sharding and policy; DDP + MPTPrecision("bf16") with
+                                    4-byte masters
   fp16-fsdp, fp16-hsdp, fp16-ddp    a tiny MLP, fp16 with a scale that starts too high (skips, back-offs), clipping by
                                     norm; an inf written into rank 1's gradient (its shard under FSDP2) at step 5.
                                     HSDP: replicated over both processes, sharded over one (a 2-D mesh). Each run also
@@ -292,7 +293,9 @@ def compare_bf16(out: Path) -> None:
     for name, strategy, precision in [
         ("bf16-fsdp", "fsdp", MPTPrecision("bf16", sharded=True)),
         ("bf16-mixed", "fsdp", "bf16-mixed"),
-        ("bf16-ddp", "ddp", MPTPrecision("bf16")),
+        # 4-byte masters, as FSDP2's fp32 shards: the default's remainders round ties away from zero, torch's cast
+        # (FSDP2's all-gather) to even
+        ("bf16-ddp", "ddp", MPTPrecision("bf16", master_remainders=False, chunked_step=False)),
     ]:
         fabric, model, optimizer = make(strategy, precision, Net)
         rows = train(fabric, model, optimizer, Net, range(STEPS))

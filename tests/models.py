@@ -18,6 +18,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+# MPTPrecision's options for the whole step with 4-byte masters: fp16's default, and bf16's before 0.4 (its default
+# now keeps 16-bit remainders stepped in chunks). For tests of what only the whole step holds (the masters' fp32
+# gradients at the hooks, their buffers)
+WHOLE_STEP = {"master_remainders": False, "chunked_step": False}
+
 
 def quiet_trainer(**kwargs: Any) -> L.Trainer:
     """A CPU Trainer without progress bar, summary, logger or checkpoints unless asked for."""

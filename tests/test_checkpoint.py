@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -311,3 +312,53 @@ def test_a_16_mixed_checkpoint_resumes_at_its_gradscalers_scale(tmp_path, caplog
             Loud(), regression_data(n=256, batch_size=16), ckpt_path=tmp_path / "amp.ckpt"
         )
     assert static.loss_scale == 8.0
+
+
+def _f51cb33() -> Any:
+    """tests/data/make_f51cb33_checkpoint.py, which wrote the checkpoint (its module and data)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_f51cb33_checkpoint", HERE / "data" / "make_f51cb33_checkpoint.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_checkpoint_written_by_f51cb33_resumes_under_todays_default():
+    """``tests/data/f51cb33_bf16.ckpt`` was written by commit f51cb33's ``MPTPrecision("bf16")`` (4-byte masters, the
+    whole step) after 4 steps. Today's default (16-bit remainders, a chunked step) resumes it: the masters are the
+    checkpoint's fp32 values exactly, the optimizer's state and the counters carry on, and the next steps are those of
+    the same checkpoint resumed with 4-byte masters, except where a master lands on a tie (rounded away from zero)."""
+    made = _f51cb33()
+    path = HERE / "data" / "f51cb33_bf16.ckpt"
+    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            plugin = trainer.precision_plugin
+            self.masters = {n: plugin.master_of(p).detach().clone() for n, p in module.named_parameters()}
+            self.steps = {float(s["step"]) for s in trainer.optimizers[0].state.values()}
+
+    def resume(**options: Any) -> tuple[MPTPrecision, AtStart, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        plugin, start, model = MPTPrecision("bf16", **options), AtStart(), made.Net()
+        quiet_trainer(max_steps=8, plugins=[plugin], callbacks=[start]).fit(model, made.data(), ckpt_path=str(path))
+        return plugin, start, {n: plugin.master_of(p).detach().clone() for n, p in model.named_parameters()}
+
+    plugin, start, masters = resume()
+    assert plugin.master_remainders
+    assert plugin.chunked_step
+    assert all(torch.equal(start.masters[n], saved[n]) for n in saved), "the checkpoint's masters, exactly"
+    assert start.steps == {4.0}  # AdamW's state, loaded into the masters' state
+    assert plugin.last_step is not None
+    assert plugin.last_step.step == 7
+    assert plugin.skipped_steps == 0
+    _, _, whole = resume(master_remainders=False, chunked_step=False)
+    differ = sum(int((masters[n] != whole[n]).sum()) for n in masters)
+    assert differ <= 2, differ  # 4 steps of 321 masters: a tie (1 in 131,072 per value and step) is unlikely
+    for n in masters:
+        assert torch.allclose(masters[n], whole[n], rtol=2**-6, atol=0), n

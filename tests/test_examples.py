@@ -123,15 +123,23 @@ def test_memory_mpt_keeps_half_weights_and_fp32_masters(memory: dict[str, dict[s
         n, norm = r["params"], r["norm_params"]
         assert 0 < norm < n
         assert r["weights"] == 2 * (n - norm) + 4 * norm  # norm layers stay fp32
-        assert r["masters"] == 4 * (n - norm)  # one fp32 master per half parameter
-        assert r["master_grads"] == r["masters"]
-        if GRAD_DTYPE:  # the half gradients are freed at the step: the half parameters carry their fp32 ones
-            assert r["grads"] == 4 * norm
-            assert sum(r[k] for k in ("weights", "masters", "grads", "master_grads", "optimizer_state")) <= 18 * n + 512
-        else:
-            assert r["grads"] == r["weights"]
         assert 8 * n <= r["optimizer_state"] <= 8 * n + 64 * 8  # AdamW's two fp32 moments (+ step counters)
         assert r["weight_copies"] == 0  # the weights are half already: autocast casts nothing
+    fp16, bf16 = memory["mpt-fp16"], memory["mpt-bf16"]
+    half = fp16["params"] - fp16["norm_params"]
+    # fp16 (the whole step): one fp32 master and one fp32 gradient per half parameter
+    assert fp16["masters"] == fp16["master_grads"] == 4 * half
+    if GRAD_DTYPE:  # the half gradients are freed at the step: the half parameters carry their fp32 ones
+        assert fp16["grads"] == 4 * fp16["norm_params"]
+        assert (
+            sum(fp16[k] for k in ("weights", "masters", "grads", "master_grads", "optimizer_state"))
+            <= 18 * fp16["params"] + 512
+        )
+    # bf16 (the default: remainders, a chunked step): a 16-bit remainder per master, the half gradients kept until
+    # their chunk's step, no fp32 gradient held at the hook
+    assert bf16["masters"] == 2 * half
+    assert bf16["master_grads"] == 0
+    assert bf16["grads"] == bf16["weights"]
 
 
 def test_memory_lightning_precisions(memory: dict[str, dict[str, int]]) -> None:
@@ -189,21 +197,21 @@ def test_benchmark_tables(tmp_path: Path) -> None:
     assert re.search(rf"^\| mpt-bf16 - mpt-bf16-nomaster \(the master weights\) \| {spread} \| [\d.]+ MB", text, re.M)
     assert re.search(r"^\| transformer: mpt-bf16 / bf16-true <= 1.0 \| .* \| (met|NOT met)", text, re.M)
     assert "2x the bandwidth floor" in text
-    # the floor's byte model: 20 B per half parameter and 8 B per fp32 one (bf16), 26 and 8 with fp16's scaler
+    # the floor's byte model: 30 B per half parameter and 8 B per fp32 one (bf16, whose masters wake and sleep), 26
+    # and 8 with fp16's scaler
     params = out["params"]["transformer"]
     floors = out["floors"]["transformer"]
     mpt = out["results"]["transformer"]["mpt-bf16"]
     half, fp32 = params - mpt["norm_params"], mpt["norm_params"]
-    assert floors["mpt-bf16"]["bytes"] == 20 * half + 8 * fp32
+    assert floors["mpt-bf16"]["bytes"] == 30 * half + 8 * fp32
     assert floors["mpt-fp16"]["bytes"] == 26 * half + 8 * fp32
-    # the memory table: half weights with fp32 masters (norm layers stay fp32), and every precision has a row
-    assert mpt["masters"] == 4 * half
+    # the memory table: half weights with 16-bit remainders (norm layers stay fp32), and every precision has a row
+    assert mpt["masters"] == 2 * half
     assert mpt["weights"] == 2 * half + 4 * fp32
-    assert len([line for line in text.splitlines() if line.startswith("| transformer |")]) == 10
-    # the memory options: masters stored in 16 bits between steps, the half gradients kept for the chunked step
-    remainders = out["results"]["transformer"]["mpt-bf16-remainders"]
-    assert remainders["masters"] == 2 * half
+    assert len([line for line in text.splitlines() if line.startswith("| transformer |")]) == 11
+    # the other memory modes: 4-byte masters, stepped in chunks or whole
     assert out["results"]["transformer"]["mpt-bf16-chunked"]["masters"] == 4 * half
+    assert out["results"]["transformer"]["mpt-bf16-copies"]["masters"] == 4 * half
     nomaster = out["results"]["transformer"]["mpt-bf16-nomaster"]  # MPTPrecision("bf16", master_weights=False)
     assert nomaster["masters"] == 0
     assert nomaster["weights"] == mpt["weights"]
@@ -235,8 +243,8 @@ def test_step_time_profile() -> None:
     profile = out["profile"]
     assert "| op | bf16-true | mpt-bf16 |" in profile
     assert re.search(r"^\| `aten::\w+` \| ", profile, re.M)
-    for phase in ("model.forward", "model.backward", "optimizer update", "CopyMasters.prepare"):
-        assert re.search(rf"^\| {re.escape(phase)} \| ", profile, re.M), phase
+    for phase in ("model.forward", "model.backward", "optimizer update", "RemainderMasters.prepare", ".wake"):
+        assert re.search(rf"^\| \w*{re.escape(phase)} \| ", profile, re.M), phase
 
 
 def test_byte_model_and_targets() -> None:

@@ -355,7 +355,7 @@ def test_memory_fsdp_check_fails_on_replicated_masters():
     import memory
 
     torch.set_num_threads(1)
-    mode = next(m for m in memory.MODES if m.name == "mpt-bf16")
+    mode = next(m for m in memory.MODES if m.name == "mpt-bf16 4-byte masters, whole step")
     whole = memory.measure(mode, memory.FAST, steps=2, accelerator="cpu", compile_steps=False)
     with pytest.raises(AssertionError):
         assert_masters_and_state_sharded(whole["masters"], whole["optimizer_state"], whole["params"], 2)

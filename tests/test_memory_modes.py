@@ -49,13 +49,15 @@ def test_bytes_at_the_step_and_the_peak(table: dict[str, Any]) -> None:
     fp32 = results["32-true"]
     assert fp32["weights"] == fp32["grads"] == 4
     assert 8 <= fp32["optimizer_state"] < 8.01  # AdamW's two fp32 moments (+ its step counters)
-    mpt = results["mpt-bf16"]
-    assert sum(mpt[k] for k in memory.KINDS) < 18.1  # 2 + 4 + 4 + 8, the LayerNorms' parameters fp32
+    mpt = results["mpt-bf16"]  # the default: weights, remainders and gradients 2 each, AdamW's 8 (the norms fp32)
+    assert sum(mpt[k] for k in memory.KINDS) < 14.05
     for name, r in results.items():
         at_step = sum(r[k] for k in memory.KINDS)
         assert r["peak_peak"] >= r["peak_start"], name
         assert r["peak_peak"] >= at_step - 0.05, name  # the step holds at least what it holds at its hooks
-        assert r["peak_peak"] < 2 * at_step + 4, name
+        # and at most a chunk's woken masters and fp32 gradients (here one chunk holds the whole model: 8 B/param)
+        # and the optimizer's temporaries (torchao's eager step dequantizes a parameter's state into fp32)
+        assert r["peak_peak"] < at_step + 24, name
     if KAHAN in results:  # bf16 weights, gradients, both moments and the Kahan compensation: 2 bytes each
         assert results[KAHAN]["optimizer_state"] == pytest.approx(6, abs=0.01)
     if TORCHAO in results:  # one byte per value and moment (and fp32 block scales), fp32 for the small tensors

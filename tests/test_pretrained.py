@@ -101,3 +101,52 @@ def test_save_pretrained_in_a_fabric_loop_reloads_the_fp32_masters(tmp_path: Pat
     )
     plugin.restore()
     assert "save_pretrained" not in vars(net)
+
+
+class SaveStateDict(L.Callback):
+    """After the second step: ``model.state_dict()`` with its storages, ``safetensors``' ``save_model``, and the
+    masters at that moment."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.seen: dict[str, tuple[torch.dtype, int, int]] = {}
+        self.masters: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        from safetensors.torch import save_model
+
+        if trainer.global_step != 2:
+            return
+        state = module.model.state_dict()
+        self.seen = {n: (t.dtype, t.untyped_storage().nbytes(), t.numel() * t.element_size()) for n, t in state.items()}
+        save_model(module.model, str(self.directory / "mid.safetensors"))
+        module.model.save_pretrained(self.directory / "mid")
+        plugin = trainer.precision_plugin
+        self.masters = {n: plugin.master_of(p).detach().clone() for n, p in module.model.named_parameters()}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_state_dict_has_a_storage_per_tensor_during_and_after_fit(tmp_path: Path, precision: str) -> None:
+    """The half weights may lie in one flat buffer (bf16's default), yet ``model.state_dict()`` holds each tensor in
+    a storage of its own, of its own size, during fit and after: ``safetensors``' ``save_model`` (which refuses
+    tensors that share memory unless they are the same tensor) and ``save_pretrained`` save it as it is."""
+    from safetensors.torch import load_file, save_model
+
+    module = LanguageModel()
+    save = SaveStateDict(tmp_path)
+    quiet_trainer(max_steps=3, plugins=[MPTPrecision(precision)], callbacks=[save]).fit(module, token_data(vocab=16))
+    assert save.seen
+    assert all(held == own for _, held, own in save.seen.values()), save.seen
+    assert {dtype for dtype, _, _ in save.seen.values()} == {torch.float32}  # the masters, as a checkpoint has them
+    mid = load_file(str(tmp_path / "mid.safetensors"))
+    for name, master in save.masters.items():
+        if name in mid:  # a tied weight is saved once, under one of its names
+            assert torch.equal(mid[name], master), name
+    assert_reloads_the_masters(tmp_path / "mid", save.masters)
+    after = module.model.state_dict()  # after fit: the module's own fp32 tensors again
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in after.values())
+    save_model(module.model, str(tmp_path / "after.safetensors"))
+    final = load_file(str(tmp_path / "after.safetensors"))
+    assert all(torch.equal(final[n], after[n]) for n in final)
+    module.model.save_pretrained(tmp_path / "after")
+    assert_reloads_the_masters(tmp_path / "after", {n: p.detach() for n, p in module.model.named_parameters()})

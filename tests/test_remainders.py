@@ -269,3 +269,30 @@ def test_a_weight_edited_after_a_skipped_step_is_where_the_next_step_starts(chun
     assert [r.skipped for r in plugin.history] == [True, False]
     expected = torch.full((4, 4), 0.5).add_(torch.ones(4, 4), alpha=-0.1)  # SGD from the edited value, in fp32
     assert torch.equal(plugin.master_of(model.lin.weight), expected)
+
+
+def test_a_master_kept_past_its_chunks_sleep_stays_valid_and_the_chunk_moves_to_new_memory():
+    """A reader that keeps a tensor made from an awake master (a diagnostic's ``m.detach()`` before a step it measures
+    after) keeps the memory it points at: the sleep gives the chunk new memory instead of freeing that one under it
+    (which read freed memory and could crash the process). Without such a reader the memory is given back."""
+    from lightning_mpt.core.masters._remainder_store import RemainderStore
+
+    params = [nn.Parameter(torch.randn(5, 3).to(torch.bfloat16)) for _ in range(3)]
+    values = [torch.randn(5, 3) for _ in range(3)]
+    store = RemainderStore(params, values, chunk=2**20)
+    store.wake(0)
+    kept = store.masters[1].detach()
+    store.masters[1].add_(1.0)  # the step
+    stepped = kept.clone()
+    store.sleep(0)
+    assert store._buffers[0].untyped_storage().nbytes() == 0  # the chunk's own memory is given back
+    assert torch.equal(kept, stepped)  # and the reader's still holds what it saw
+    store.wake(0)
+    assert torch.equal(store.masters[1], stepped)
+    assert torch.equal(store.masters[0], values[store.position(params[0])])
+    store.masters[0].zero_()
+    assert torch.equal(kept, stepped)  # the chunk's new memory is not the reader's
+    del kept
+    store.sleep(0)
+    store.wake(0)
+    assert torch.equal(store.masters[0], torch.zeros(5, 3))

@@ -29,8 +29,11 @@ def masters(plugin: Any, module: nn.Module) -> list[torch.Tensor]:
 
 
 def master_grads(plugin: Any, module: nn.Module) -> list[Optional[torch.Tensor]]:
-    """The fp32 gradients the last step used (kept on the masters until the next forward or backward)."""
+    """The fp32 gradients the last step used: kept on the masters until the next forward or backward (the whole step),
+    or made again from the half ones left on the parameters (bf16's chunked step: a copy, no loss scale)."""
     grads = [plugin.master_of(p).grad for p in module.parameters()]
+    if plugin.chunked_step and plugin.loss_scale == 1.0:
+        grads = [p.grad.float() if g is None and p.grad is not None else g for p, g in zip(module.parameters(), grads)]
     return [None if g is None else g.detach().clone() for g in grads]
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch.nn import Module
@@ -76,14 +77,64 @@ def check_arguments(
     return DTYPES[precision], scaler, tuple(keep_fp32)
 
 
-def check_chunked_step(chunked_step: Any, master_weights: bool) -> Optional[int]:
-    """Validate ``MPTPrecision(chunked_step=...)``; return the chunk's size in elements, ``None`` for a whole step."""
-    from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK
+@dataclass(frozen=True)
+class MasterOptions:
+    """How the fp32 masters are kept and stepped: the plugins' memory options in one object.
 
+    ``None`` means the format's default (:meth:`resolved`): bf16 keeps its masters as 16-bit remainders and steps
+    them a chunk at a time (14 bytes per parameter with AdamW); fp16 keeps 4-byte masters and takes the whole step
+    (18 bytes), so that gradient hooks and clipping see its gradients unscaled in fp32 (docs/memory.md). With
+    ``accumulate_fp32`` (fp32 gradients from the backward on) both take the whole step with 4-byte masters.
+
+    Args:
+        enabled: keep fp32 masters (``master_weights``); ``False`` steps the half weights themselves.
+        remainders: store each bf16 master as its 16 low bits beside the weight between steps (``master_remainders``).
+        chunk: step the masters a chunk at a time (``chunked_step``): ``True`` for chunks of ``2**24`` elements, a
+            number of elements, or ``False`` for the whole step.
+        accumulate_fp32: sum the micro-batches' gradients in fp32 (``accumulate_fp32``).
+
+    Example:
+        ```python
+        options = MasterOptions().resolved(torch.bfloat16)
+        assert options.remainders and options.chunk_size == "auto"  # a sixteenth of the model
+        assert MasterOptions().resolved(torch.float16).chunk_size is None  # fp16: the whole step
+        ```
+    """
+
+    enabled: bool = True
+    remainders: Optional[bool] = None
+    chunk: Union[bool, int, None] = None
+    accumulate_fp32: bool = False
+
+    def resolved(self, dtype: torch.dtype, sharded: bool = False) -> MasterOptions:
+        """These options with each default filled in for ``dtype`` (under FSDP2 if ``sharded``: its shards are the
+        masters, neither chunked nor stored in 16 bits), checked: a clear error for what cannot be."""
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"MPTPrecision(master_weights={self.enabled!r}): expected a bool (True or False).")
+        # fp32 accumulation holds fp32 gradients from the backward on: chunks would save nothing at the step
+        best = self.enabled and dtype == torch.bfloat16 and not sharded and not self.accumulate_fp32
+        chunk = best if self.chunk is None else self.chunk
+        # a whole step wakes every remainder's master at once: 2 bytes more than 4-byte masters at its peak
+        remainders = best and chunk is not False if self.remainders is None else self.remainders
+        check_master_remainders(remainders, dtype, self.enabled)
+        check_chunked_step(chunk, self.enabled)
+        return replace(self, remainders=remainders, chunk=chunk)
+
+    @property
+    def chunk_size(self) -> Union[int, Literal["auto"], None]:
+        """Elements per chunk (``"auto"``: a sixteenth of the model, between 2**18 and 2**24), ``None`` for the whole
+        step (of resolved options)."""
+        return check_chunked_step(self.chunk, self.enabled)
+
+
+def check_chunked_step(chunked_step: Any, master_weights: bool) -> Union[int, Literal["auto"], None]:
+    """Validate ``MPTPrecision(chunked_step=...)``; return the chunk's size in elements, ``"auto"`` (a sixteenth of
+    the model, between 2**18 and 2**24 elements) for ``True``, ``None`` for a whole step."""
+    chunk: Union[int, Literal["auto"]]
     if chunked_step is False:
         return None
     if chunked_step is True:
-        chunk = DEFAULT_CHUNK
+        chunk = "auto"
     elif isinstance(chunked_step, int) and chunked_step >= 1:
         chunk = chunked_step
     else:

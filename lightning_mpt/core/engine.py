@@ -175,6 +175,10 @@ class MixedPrecisionEngine:
         self.backward_scale = scale
 
     # ------------------------------------------------------------------ the step
+    def decided(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s step is decided and not carried out yet."""
+        return optimizer in self._pending
+
     def decide(self, optimizer: Optimizer) -> PendingStep:
         """Unscale ``optimizer``'s gradients and decide its step: the step's one host sync. Until the step is carried
         out, later calls return the same decision (clipping then stepping costs one sync)."""

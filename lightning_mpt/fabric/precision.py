@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
@@ -15,7 +16,7 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt._plugin import check_sharded, lbfgs_unsupported
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
-from lightning_mpt.core.masters.chunked import ChunkedGrads
+from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.fabric._setup import ModuleHooks, ModuleSetUp
 
@@ -88,8 +89,8 @@ class MPTPrecision(ModuleHooks, Precision):
         fp8: Any = None,
         fp8_filter: Optional[Callable[[Module, str], bool]] = None,
         fp8_emulate: bool = False,
-        chunked_step: Union[bool, int] = False,
-        master_remainders: bool = False,
+        chunked_step: Union[bool, int, None] = None,
+        master_remainders: Optional[bool] = None,
     ) -> None:
         self._init_plugin(
             precision,
@@ -102,12 +103,14 @@ class MPTPrecision(ModuleHooks, Precision):
             fp8,
             fp8_filter,
             fp8_emulate,
+            chunked_step,
+            master_remainders,
         )
         _check_sharded(sharded, master_weights)
-        self._init_memory(chunked_step, master_remainders)
         if sharded:
             self._refuse_under_fsdp2()
         self.sharded = sharded
+        self._said_whole = False  # the note that fabric.clip_gradients takes a whole step
         # the converted module and its set-up, which Fabric lets the plugin finish only at the first forward, backward
         # or step (fabric/_setup.py)
         self._setup = ModuleSetUp(self._engine, self._dtype, sharded, self._found_device)
@@ -147,6 +150,11 @@ class MPTPrecision(ModuleHooks, Precision):
         of the parameters at fault.
         """
         optimizer = self._setup.adopt(optimizer)
+        masters = self._engine.masters
+        if self._given.chunk is None and isinstance(masters, ChunkedMasters) and not self._engine.decided(optimizer):
+            # the chunks are the format's default, not asked for: this step is whole, its fp32 gradients on the masters
+            masters.whole_next.add(optimizer)
+            self._say_whole_for_clipping()
         pending = self._engine.decide(optimizer)
         if isinstance(pending.grads, ChunkedGrads):
             raise ValueError(
@@ -158,6 +166,17 @@ class MPTPrecision(ModuleHooks, Precision):
             with torch.no_grad():  # a skipped step is rare: no need for a fused kernel
                 for grad in pending.grads.fp32_grads():
                     grad.zero_()
+
+    def _say_whole_for_clipping(self) -> None:
+        """Say once that ``fabric.clip_gradients`` takes the whole step, and what keeps the chunks."""
+        if not self._said_whole:
+            self._said_whole = True
+            rank_zero_info(
+                "MPTPrecision: fabric.clip_gradients clips the fp32 gradients of every master, so a step it clips is "
+                "taken whole instead of a chunk at a time (the bf16 default): every fp32 gradient and master at once, "
+                "up to 6 bytes per parameter more at the step's peak. `fabric.strategy.precision.clip_gradients("
+                "optimizer, max_norm=...)` clips by the same global norm and keeps the chunks (docs/memory.md)."
+            )
 
     def clip_gradients(
         self, optimizer: Any, max_norm: Optional[float] = None, clip_val: Optional[float] = None

@@ -130,6 +130,10 @@ class ChunkLayout:
         shape, stride = self._shapes[position]
         return flat.as_strided(shape, stride, flat.storage_offset() + self.offsets[position])
 
+    def shape_of(self, position: int) -> tuple[torch.Size, tuple[int, ...]]:
+        """The shape and strides of the tensor at ``position`` in its views."""
+        return self._shapes[position]
+
     def rows(self, flat: Tensor, run: Run, chunk: Optional[Chunk] = None) -> Tensor:
         """``run``'s tensors in ``flat`` (the whole buffer, or ``chunk``'s slice of it) as a ``(count, numel)``
         view."""

@@ -29,9 +29,10 @@ def split(master: Tensor) -> tuple[Tensor, Tensor]:
         assert torch.equal(join(half, rem), tie)
         ```
     """
+    master = master.contiguous()
     half = torch.empty_like(master, dtype=torch.bfloat16)
     rem = torch.empty_like(master, dtype=torch.int16)
-    _split_into(master, half.view(torch.int16), rem)
+    _split_into(master, half.view(-1).view(torch.int16), rem.view(-1))
     return half, rem
 
 
@@ -51,10 +52,8 @@ def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """
     if out is None:
         out = torch.empty_like(half, dtype=torch.float32)
-    bits = out.view(torch.int32)  # (top << 16) + remainder: split subtracted the carry's 0x10000 from the low half
-    bits.copy_(half.view(torch.int16))
-    bits.bitwise_left_shift_(16)
-    bits.add_(rem)
+    out.copy_(half)  # a bf16 value in fp32 is its pattern shifted: (top << 16), exactly
+    out.view(torch.int32).add_(rem)  # + remainder: split subtracted the carry's 0x10000 from the low half
     return out
 
 
@@ -77,25 +76,27 @@ def fingerprint(half: Tensor) -> Tensor:
 
 
 def _split_into(master: Tensor, half: Tensor, rem: Tensor) -> None:
-    """:func:`split` of ``master`` into ``half`` (an int16 view of bf16) and ``rem``. ``(bits + 0x8000) >> 16`` rounds
-    the bit pattern with ties away from zero (the low half ``>= 0x8000`` carries into the top half); the remainder
-    ``bits - (top << 16)`` lies in ``[-0x8000, 0x7FFF]``. A carry keeps an infinity or a NaN non-finite (an infinity has
-    no low bits; a NaN's pattern plus one is a NaN), except from the NaN patterns whose top half is 0x7FFF or 0xFFFF:
-    there the carry would make a zero, whose sign differs from the master's, so it is taken back (truncated), and their
-    low half does not fit an int16 (the rebuilt value is another NaN)."""
-    bits = master.view(torch.int32)
-    top = bits + 0x8000
-    top.bitwise_right_shift_(16)
-    top.add_(torch.bitwise_xor(top, bits) < 0, alpha=-1)  # 0x8000 - 1 wraps to 0x7FFF in the int16 cast
-    half.copy_(top)
-    top.bitwise_left_shift_(16)
-    torch.sub(bits, top, out=top)
-    rem.copy_(top)
+    """:func:`split` of ``master`` (contiguous) into ``half`` (an int16 view of bf16) and ``rem``, in four passes.
+
+    The remainder is the master's low 16 bits read as a signed int16, and the weight its top 16 bits plus one where
+    that is negative (the low half ``>= 0x8000``): the bit pattern rounded with ties away from zero, the remainder in
+    ``[-0x8000, 0x7FFF]``. torch's conversion to bf16 rounds the same way except at a tie (the low half ``0x8000``),
+    which it rounds to the even neighbour: where the top half is even, the tie's weight gets its missing one. A
+    non-finite master keeps a non-finite weight and rebuilds as one (a NaN as a NaN, perhaps of another payload)."""
+    words = master.view(-1).view(torch.int16).view(-1, 2)  # little-endian: (low half, top half) of each master
+    top = words[:, 1]
+    rem.copy_(words[:, 0])
+    half.view(torch.bfloat16).copy_(master.view(-1))
+    missing = torch.bitwise_not(top).bitwise_and_(1)  # 1 where the top half is even
+    missing.mul_(rem == -0x8000)  # ... at a tie
+    half.bitwise_or_(missing)
 
 
 class RemainderStore:
     """The bf16 weights of parameters on one device and the 16-bit remainders of their fp32 masters, laid flat alike,
     with a fingerprint of each weight; a chunk's fp32 masters hold values only while it is awake (:meth:`wake`).
+    Their memory is given back at the sleep, unless a reader still holds a tensor made from a master (an alias, a
+    view): the chunk then gets new memory, and the reader keeps the old with the values it saw.
 
     The masters are views of one fp32 buffer per chunk whose memory is given back while the chunk sleeps: the same
     tensor objects from step to step, so the optimizer's state and the plans keyed by them stay valid.
@@ -129,6 +130,8 @@ class RemainderStore:
         self.prints: list[Tensor] = []  # per chunk: each weight's fingerprint when its master last slept
         self.awake: set[int] = set()  # chunks whose masters hold values
         value_of = dict(zip(params, values))
+        # each chunk's memory is referenced by its buffer and its masters' views; more means a reader holds one
+        self._refs = [_compat.storage_holders(b) for b in self._buffers]
         for k, c in enumerate(layout.chunks):
             self._buffers[k].untyped_storage().resize_(self._nbytes[k])
             self._buffers[k].zero_()  # the unused ends of the slots: zero weights and remainders
@@ -180,20 +183,41 @@ class RemainderStore:
             else:
                 _split_into(self._buffers[k], torch.empty_like(weights), self._slice(self.rem, k))
             self.prints[k] = self._prints(k)
-        self._buffers[k].untyped_storage().resize_(0)
-        self.awake.discard(k)
+        self.free(k)
 
     def free(self, k: int) -> None:
-        """Give chunk ``k``'s masters' memory back without writing them: nothing changed them since :meth:`wake`."""
-        self._buffers[k].untyped_storage().resize_(0)
+        """Give chunk ``k``'s masters' memory back without writing them: nothing changed them since :meth:`wake`. A
+        reader's tensor made from one of them (counted by :func:`~lightning_mpt._compat.storage_holders`) keeps that
+        memory, valid, and the chunk's masters move to new memory."""
+        if _compat.storage_holders(self._buffers[k]) > self._refs[k]:
+            self._move(k)
+        else:
+            self._buffers[k].untyped_storage().resize_(0)
         self.awake.discard(k)
+
+    def _move(self, k: int) -> None:
+        """Point chunk ``k``'s buffer and masters at new, empty memory (the same tensor objects: the optimizer's state
+        and plans keyed by them stay valid), leaving the old to whoever holds it."""
+        chunk = self.layout.chunks[k]
+        storage = torch.empty(chunk.numel, dtype=torch.float32, device=self._buffers[k].device).untyped_storage()
+        with torch.no_grad():
+            self._buffers[k].set_(storage, 0, (chunk.numel,), (1,))
+            for i in range(chunk.first, chunk.stop):
+                shape, stride = self.layout.shape_of(i)
+                self.masters[i].set_(storage, self.layout.offsets[i] - chunk.offset, shape, stride)
+        storage.resize_(0)  # never written: nothing was touched
 
     # ------------------------------------------------------------------ edits
     def _prints(self, k: int) -> Tensor:
         """The :func:`fingerprint` of each weight of chunk ``k``: one sum of words per run of equal sizes."""
         chunk = self.layout.chunks[k]
         weights = self._slice(self.halves.flat, k).view(torch.int16)
-        sums = [self.layout.rows(weights, run, chunk).view(torch.int64).sum(1) for run in chunk.runs]
+        sums = [
+            self.layout.rows(weights, run, chunk).view(torch.int64).sum(1)
+            if run.numel
+            else torch.zeros(run.count, dtype=torch.int64, device=weights.device)  # empty tensors: nothing to edit
+            for run in chunk.runs
+        ]
         return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=weights.device)
 
     def check(self) -> Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
 from torch import Tensor, optim
@@ -34,10 +34,36 @@ from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
 from lightning_mpt.core.masters._flow import _chunks, _unscale_
 from lightning_mpt.core.masters.copies import CopyMasters
 
-__all__ = ["CHUNKABLE", "DEFAULT_CHUNK", "TORCHAO_CHUNKABLE", "ChunkedGrads", "ChunkedMasters", "chunkable"]
+__all__ = [
+    "CHUNKABLE",
+    "DEFAULT_CHUNK",
+    "MIN_CHUNK",
+    "TORCHAO_CHUNKABLE",
+    "ChunkedGrads",
+    "ChunkedMasters",
+    "auto_chunk",
+    "chunkable",
+]
 
-#: elements per chunk by default: 64 MiB of fp32 gradients at a time
+#: the most elements a chunk of ``chunked_step=True`` holds: 64 MiB of fp32 gradients at a time
 DEFAULT_CHUNK = 2**24
+#: the fewest: below it a chunk's fixed cost (an optimizer call, a few foreach launches) outweighs what it saves
+MIN_CHUNK = 2**18
+
+
+def auto_chunk(numel: int) -> int:
+    """The elements per chunk of ``chunked_step=True`` for masters of ``numel`` elements in all: about a sixteenth of
+    the model (the step's peak then holds a sixteenth of its fp32 gradients and woken masters), between
+    :data:`MIN_CHUNK` and :data:`DEFAULT_CHUNK`.
+
+    Example:
+        ```python
+        assert auto_chunk(16 * 10**6) == 10**6  # a sixteenth
+        assert auto_chunk(10**9) == 2**24 and auto_chunk(3_450_000) == 2**18  # at most, at least
+        ```
+    """
+    return max(MIN_CHUNK, min(DEFAULT_CHUNK, -(-numel // 16)))
+
 
 #: torch's optimizers whose update of a parameter reads only that parameter, its gradient and its state, so stepping
 #: the parameters in chunks gives the masters of one whole step, bitwise (exact classes: a subclass may differ)
@@ -83,12 +109,12 @@ _WHOLE_STEP = (
 )
 
 
-def stepped_in_chunks(optimizer: Optimizer, warned: set[int]) -> bool:
+def stepped_in_chunks(optimizer: Optimizer, warned: set[int], warn: bool = True) -> bool:
     """Whether ``optimizer`` is :func:`chunkable`; the first time one is not (its id not in ``warned``), a warning says
-    that its step is whole."""
+    that its step is whole (if ``warn``: the chunks were asked for, not the format's default)."""
     if chunkable(optimizer):
         return True
-    if id(optimizer) not in warned:
+    if warn and id(optimizer) not in warned:
         warned.add(id(optimizer))
         warnings.warn(_WHOLE_STEP.format(name=type(optimizer).__name__), stacklevel=2)
     return False
@@ -171,7 +197,8 @@ class ChunkedMasters(CopyMasters):
     Args:
         dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
         keep_fp32: module types whose parameters stay fp32.
-        chunk: about how many elements each chunk holds (a larger tensor is a chunk of its own).
+        chunk: about how many elements each chunk holds (a larger tensor is a chunk of its own); ``"auto"``:
+            :func:`auto_chunk` of the model.
 
     Example:
         ```python
@@ -193,15 +220,30 @@ class ChunkedMasters(CopyMasters):
         self,
         dtype: torch.dtype,
         keep_fp32: tuple[type[torch.nn.Module], ...] = DEFAULT_KEEP_FP32,
-        chunk: int = DEFAULT_CHUNK,
+        chunk: Union[int, Literal["auto"]] = "auto",
     ) -> None:
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk must be a positive number of elements, got {chunk!r}")
+        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be 'auto' or a positive number of elements, got {chunk!r}")
         super().__init__(dtype, keep_fp32, enabled=True)
-        self.chunk = chunk
+        self.warn_whole = True  # say when an optimizer cannot be stepped in chunks (off where chunks are a default)
+        self.asked_chunk = chunk
+        self._auto: tuple[int, int] = (-1, MIN_CHUNK)  # (masters counted, chunk) of the latest auto size
         # per optimizer, its latest chunked step while no backward has come since: a step taken again clips alike
         self._last: dict[Optimizer, ChunkedGrads] = {}
         self._whole: set[int] = set()  # ids of the optimizers told that they are stepped whole
+        # optimizers whose next step is whole: its fp32 gradients all on the masters (fabric.clip_gradients clips them)
+        self.whole_next: set[Optimizer] = set()
+
+    @property
+    def chunk(self) -> int:
+        """Elements per chunk: as asked, or :func:`auto_chunk` of the masters (sized again when masters are added)."""
+        if self.asked_chunk != "auto":
+            return self.asked_chunk
+        count, size = self._auto
+        if count != len(self.masters):
+            size = auto_chunk(sum(m.numel() for m in self.masters.values()))
+            self._auto = (len(self.masters), size)
+        return size
 
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         """Decide from the half gradients as they are: the non-finite flag (a fused check over all of them, their
@@ -231,29 +273,25 @@ class ChunkedMasters(CopyMasters):
             yield from super().steps(optimizer, grads)
             return
         chunks = self.step_chunks(grads) or [([], [])]
+        # the masters in the groups, and the state keyed by them, as for a whole step (a parameter used as a key
+        # stands for its master); each chunk then narrows the groups to its own masters
+        self.groups.swap(optimizer, True)
         groups = [(g["params"], list(g["params"])) for g in optimizer.param_groups]
-        state = optimizer.state
         own = {id(p) for p in grads.own_params}
         try:
             for n, (params, masters) in enumerate(chunks):
                 self.wake(params)
                 fp32 = self._chunk_gradients(grads, params, masters)
-                master_of = {id(p): m for p, m in zip(params, masters)}
-                stepped = master_of.keys() | own if n == 0 else master_of.keys()
+                stepped = {id(m) for m in masters} | own if n == 0 else {id(m) for m in masters}
                 for slots, full in groups:  # in place: the group's list object stays the optimizer's
-                    slots[:] = [master_of.get(id(p), p) for p in full if id(p) in stepped]
-                for p, m in zip(params, masters):
-                    if p in state:
-                        state[m] = state.pop(p)
+                    slots[:] = [m for m in full if id(m) in stepped]
                 grads.entered = True
                 try:
                     yield
                 finally:
                     for slots, full in groups:
                         slots[:] = full
-                    for p, m in zip(params, masters):
-                        if m in state:
-                            state[p] = state.pop(m)
+                    for m in masters:
                         m.grad = None
                     grads.entered = False
                     self.write_back(params, masters)
@@ -262,6 +300,7 @@ class ChunkedMasters(CopyMasters):
         finally:
             for slots, full in groups:
                 slots[:] = full
+            self.groups.swap(optimizer, False)
 
     def step_chunks(self, grads: ChunkedGrads) -> list[tuple[list[Tensor], list[Tensor]]]:
         """The chunks that a step hands the optimizer in turn, ``(parameters, masters)``: about ``grads.chunk``
@@ -288,17 +327,19 @@ class ChunkedMasters(CopyMasters):
     def in_chunks(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer`` is stepped a chunk at a time (it is :func:`chunkable`; if not, a warning says so
         once)."""
-        return stepped_in_chunks(optimizer, self._whole)
+        return optimizer not in self.whole_next and stepped_in_chunks(optimizer, self._whole, self.warn_whole)
 
     def wake(self, params: list[Tensor]) -> None:
         """Before a chunk's step: make the masters of ``params`` hold their values (they always do here)."""
 
     def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
+        self.whole_next.discard(optimizer)
         if isinstance(grads, ChunkedGrads):  # the chunks have already given everything back
             return
         super().exit(optimizer, grads, stepped)
 
     def discard(self, grads: Gradients, zero: bool = False) -> None:
+        self.whole_next.discard(grads.optimizer)
         self._last.pop(grads.optimizer, None)  # type: ignore[arg-type]
         super().discard(grads, zero)  # a chunked step's masters hold no gradient: the same drop as a whole step's
 
@@ -311,13 +352,21 @@ class ChunkedMasters(CopyMasters):
         super().release(drop)
 
     def rescale(self, grads: Gradients, scale: float) -> None:
-        """Before a backward into what a chunked step left: the half gradients still carry the scale they were made
-        with and go to ``scale`` (a power of two: exact unless a value leaves the format); the fp32 parameters'
-        gradients were unscaled and are multiplied by ``scale``."""
+        """Before a backward into what a chunked step left, or into gradients clipped for a step not taken yet: the
+        half gradients still carry the scale they were made with and go to ``scale`` (a power of two: exact unless a
+        value leaves the format), clipped first as decided (rounded to the half format: the backward adds to the
+        clipped gradients, as under "32-true"); the fp32 parameters' gradients were unscaled (and clipped) and are
+        multiplied by ``scale``."""
         if not isinstance(grads, ChunkedGrads):
             super().rescale(grads, scale)
             return
         half = [p.grad for p in grads.params if p.grad is not None]
+        if half and grads.coefficient is not None:
+            _compat.foreach_mul_(half, grads.coefficient.to(half[0].device))
+        if half and grads.clip_value is not None:
+            for g in half:
+                g.clamp_(-grads.clip_value * grads.scale, grads.clip_value * grads.scale)
+        grads.coefficient = grads.clip_value = None  # applied: the next decision starts from these gradients
         if half and scale != grads.scale:
             _compat.foreach_mul_(half, scale / grads.scale)
         own = [p.grad for p in grads.own_params if p.grad is not None]

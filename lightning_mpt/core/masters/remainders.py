@@ -5,22 +5,23 @@ An fp32 number's top 16 bits are a bf16 number. :func:`split` rounds an fp32 mas
 lies in ``[-0x8000, 0x7FFF]``: an ``int16``. :func:`join` undoes it exactly, bit for bit. Torch's cast rounds ties to
 even instead, and no 16-bit storage can be exact with that rounding: a bf16 value whose last bit is 0 is the rounding
 of 65,537 fp32 values (both ties round to it). So the half weights differ from ``master.to(torch.bfloat16)`` exactly
-when the master's low 16 bits are ``0x8000`` (one value in 65,536), by one bf16 step away from zero. Non-finite masters
-stay non-finite, and so do their half weights: an infinity has no low bits to carry, and a NaN's pattern plus one is a
-NaN, except for the two largest patterns, which are truncated (their NaN comes back with another payload).
+when the master's low 16 bits are ``0x8000`` under an even top half (one value in 131,072), by one bf16 step away
+from zero. Non-finite masters stay non-finite, and so do their half weights (a NaN may come back with another
+payload).
 
 :class:`RemainderMasters` keeps each master asleep between steps: the half weight plus its remainder, 4 bytes per
 parameter instead of 6. A master is woken (rebuilt in fp32) for its step, a chunk at a time with the chunked step, and
 put back to sleep after it. Anything that asks for a master between steps (``master_of``, diagnostics, weight
 averaging) wakes it until the next forward. A half weight edited in place while its master sleeps (a clamp,
-``nn.Embedding(max_norm=...)``) is noticed by a fingerprint of its bits (their sum and their sum of squares): the
-master then takes the edited value exactly, as with fp32 copies.
+``nn.Embedding(max_norm=...)``) is noticed by a fingerprint of its bits (:func:`fingerprint`: the sum of its 8-byte
+words, which no edit of one value leaves unchanged): the master then takes the edited value exactly, as with fp32
+copies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from torch.optim import Optimizer
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, distributed, params_of
 from lightning_mpt.core.masters._edits import bits_differ
 from lightning_mpt.core.masters._remainder_store import RemainderStore, fingerprint, join, split
-from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedGrads, ChunkedMasters, stepped_in_chunks
+from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedGrads, ChunkedMasters
 
 __all__ = ["RemainderMasters", "fingerprint", "join", "split"]
 
@@ -45,7 +46,8 @@ class RemainderMasters(ChunkedMasters):
     Args:
         keep_fp32: module types whose parameters stay fp32.
         chunk: step torch's per-parameter optimizers about this many elements at a time (each chunk's masters are
-            woken for its step only); ``None``: one whole step, every master of the optimizer awake during it.
+            woken for its step only), ``"auto"`` for :func:`~lightning_mpt.core.masters.chunked.auto_chunk` of the
+            model; ``None``: one whole step, every master of the optimizer awake during it.
 
     Example:
         ```python
@@ -64,7 +66,11 @@ class RemainderMasters(ChunkedMasters):
         ```
     """
 
-    def __init__(self, keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32, chunk: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32,
+        chunk: Union[int, Literal["auto"], None] = None,
+    ) -> None:
         super().__init__(torch.bfloat16, keep_fp32, DEFAULT_CHUNK if chunk is None else chunk)
         self.chunked = chunk is not None
         self.stores: list[RemainderStore] = []
@@ -225,7 +231,7 @@ class RemainderMasters(ChunkedMasters):
         self.held = {}
 
     def in_chunks(self, optimizer: Optimizer) -> bool:
-        return self.chunked and stepped_in_chunks(optimizer, self._whole)
+        return self.chunked and super().in_chunks(optimizer)
 
     # ------------------------------------------------------------------ the step
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
@@ -294,14 +300,15 @@ class RemainderMasters(ChunkedMasters):
     # ------------------------------------------------------------------ reading and writing the masters
     def master_of(self, param: Tensor) -> Tensor:
         """The fp32 master of ``param``: while its chunk is awake (a step), the tensor the optimizer steps; else woken
-        into a tensor of its own until the next forward (later steps may store it elsewhere)."""
+        into a tensor of its own until the next forward, which a step meanwhile updates (later steps may store the
+        master elsewhere)."""
         if param not in self.masters:
             return param
         store = self._where.get(param)
         if store is None:
             return self.masters[param]
         i = store.position(param)
-        if store.chunk_of(i) in store.awake:  # a reader's copy follows it, at its sleep
+        if store.chunk_of(i) in store.awake:  # the tensor being stepped (a reader keeping it keeps its memory)
             return store.masters[i]
         held = self.held.get(param)
         if held is None:
@@ -321,7 +328,9 @@ class RemainderMasters(ChunkedMasters):
         return out
 
     def saved_master(self, param: Tensor) -> Optional[Tensor]:
-        return None if param not in self.masters else self._value(param)
+        """The master woken for readers (:meth:`master_of`): one tensor per parameter, so a tied weight's names share
+        it in the state dict, as with 4-byte masters (``save_pretrained`` and ``torch.save`` save it once)."""
+        return None if param not in self.masters else self.master_of(param)
 
     def load_master(self, param: Tensor, value: Tensor) -> Optional[Tensor]:
         master = value.detach().to(param.device, torch.float32)
