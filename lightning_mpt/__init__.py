@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from lightning_mpt._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from lightning_mpt.core.config import MasterOptions
     from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
     from lightning_mpt.core.scaler import DynamicLossScaler
     from lightning_mpt.precision import MPTPrecision, NonFiniteGradientError, StepRecord
@@ -25,10 +26,18 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "DEFAULT_KEEP_FP32": "lightning_mpt.core.masters",
     "DynamicLossScaler": "lightning_mpt.core.scaler",
+    "MasterOptions": "lightning_mpt.core.config",
     "MPTPrecision": "lightning_mpt.precision",
     "NonFiniteGradientError": "lightning_mpt.precision",
     "StepRecord": "lightning_mpt.precision",
 }
-__all__ = ["DEFAULT_KEEP_FP32", "DynamicLossScaler", "MPTPrecision", "NonFiniteGradientError", "StepRecord"]
+__all__ = [
+    "DEFAULT_KEEP_FP32",
+    "DynamicLossScaler",
+    "MPTPrecision",
+    "MasterOptions",
+    "NonFiniteGradientError",
+    "StepRecord",
+]
 __version__ = "0.1.0"
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -76,8 +76,13 @@ class MixedPrecisionPlugin(Float8Plugin):
         fp8_emulate: Any = False,
         chunked_step: Any = None,
         master_remainders: Any = None,
+        masters: Any = None,
     ) -> None:
         """The plugins' ``__init__``: check the arguments (a clear error for each), keep them, build the engine."""
+        if masters is not None:
+            master_weights, master_remainders, chunked_step, accumulate_fp32 = _from_options(
+                masters, master_weights, master_remainders, chunked_step, accumulate_fp32
+            )
         if not isinstance(skipped_steps_advance_schedulers, bool):
             raise TypeError(
                 f"MPTPrecision(skipped_steps_advance_schedulers={skipped_steps_advance_schedulers!r}): expected a bool "
@@ -323,6 +328,33 @@ class MixedPrecisionPlugin(Float8Plugin):
         memory = (("chunked_step", self._given.chunk), ("master_remainders", self._given.remainders))
         chosen = "".join(f", {option}={value!r}" for option, value in memory if value is not None)  # as given
         return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights}{chosen})"
+
+
+def _from_options(
+    masters: Any, master_weights: Any, master_remainders: Any, chunked_step: Any, accumulate_fp32: Any
+) -> tuple[Any, Any, Any, Any]:
+    """``MPTPrecision(masters=MasterOptions(...))``'s fields as the single arguments, which must be left unset."""
+    if not isinstance(masters, MasterOptions):
+        raise TypeError(
+            f"MPTPrecision(masters={masters!r}): expected a lightning_mpt.MasterOptions, e.g. "
+            "MasterOptions(remainders=False, chunk=2**22)."
+        )
+    given = [
+        name
+        for name, value, unset in (
+            ("master_weights", master_weights, True),
+            ("master_remainders", master_remainders, None),
+            ("chunked_step", chunked_step, None),
+            ("accumulate_fp32", accumulate_fp32, False),
+        )
+        if value is not unset
+    ]
+    if given:
+        raise ValueError(
+            f"MPTPrecision(masters=MasterOptions(...), {', '.join(f'{n}=...' for n in given)}): give the masters' "
+            "options once, in MasterOptions (enabled, remainders, chunk, accumulate_fp32) or as single arguments."
+        )
+    return masters.enabled, masters.remainders, masters.chunk, masters.accumulate_fp32
 
 
 def unwrap(optimizer: Any) -> Any:

@@ -26,7 +26,7 @@ from lightning_mpt import _averaging, _compat, _retries
 from lightning_mpt._gradscaler import find_gradscaler_state
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
 from lightning_mpt._pretrained import SavedAsMasters
-from lightning_mpt.core.config import check_overflow_retries
+from lightning_mpt.core.config import MasterOptions, check_overflow_retries
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, is_fully_sharded
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -61,13 +61,15 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             format (Megatron's ``main_grad``), for long accumulations where half-precision sums lose small
             contributions. Costs 2 bytes per parameter more during the backward. Needs torch >= 2.13.
         chunked_step: step the masters a chunk of parameters at a time, so the step holds one chunk of fp32
-            gradients instead of all (16 bytes per parameter with AdamW instead of 18): ``True`` for chunks of
-            ``2**24`` elements, or a number of elements. Exact (the masters of a whole step) for torch's built-in
-            optimizers; others take the whole step. Hooks see the half gradients, still scaled (docs/memory.md).
+            gradients instead of all: ``True`` for chunks of about a sixteenth of the model (between ``2**18`` and
+            ``2**24`` elements), a number of elements, or ``False`` for the whole step. Default (``None``): chunks
+            for bf16, the whole step for fp16 (hooks and clipping then see unscaled fp32 gradients; with chunks the
+            half gradients, in fp16 still scaled: docs/memory.md). Exact (the masters of a whole step) for torch's
+            built-in optimizers; others take the whole step.
         master_remainders: store each bf16 parameter's fp32 master as its 16 low bits beside the weight between
-            steps (2 bytes instead of 4), rebuilt exactly for the step: with ``chunked_step``, a chunk at a time
-            (14 bytes per parameter with AdamW at the step). bf16 only; the half weights round ties away from zero
-            instead of to even (docs/memory.md).
+            steps (2 bytes instead of 4), rebuilt exactly for the step, a chunk at a time with ``chunked_step``.
+            Default (``None``): on for bf16 with chunks (14 bytes per parameter at the step with AdamW). bf16 only;
+            the half weights round ties away from zero instead of to even (``False`` gives torch's rounding back).
         overflow_retries: in automatic optimization, run a batch whose gradients overflowed again at the backed-off
             scale, up to this many times, instead of skipping its step (fairseq's ``amp_batch_retries``). Each
             retry runs ``training_step`` and the backward again, with their side effects (docs/scaler.md). ``0``
@@ -82,6 +84,9 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             Layers whose dimensions are not multiples of 16 stay bf16. See docs/fp8.md.
         fp8_filter: ``fn(module, fqn) -> bool``: convert only the eligible layers it accepts (e.g. keep a layer that
             saturates in bf16: ``lambda module, fqn: fqn != "head"``).
+        masters: the options of the masters in one object, :class:`~lightning_mpt.MasterOptions` (``enabled``,
+            ``remainders``, ``chunk``, ``accumulate_fp32``), instead of ``master_weights``, ``master_remainders``,
+            ``chunked_step`` and ``accumulate_fp32``.
         fp8_emulate: emulate the fp8 matmuls (CPU, GPUs without fp8 Tensor Cores): slow, for tests and debugging.
             Without it such a device is an error, never a silent emulation.
 
@@ -105,6 +110,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         accumulate_fp32: bool = False,
         chunked_step: Union[bool, int, None] = None,
         master_remainders: Optional[bool] = None,
+        masters: Optional[MasterOptions] = None,
         overflow_retries: int = 0,
         skipped_steps_advance_schedulers: bool = True,
         fp8: Any = None,
@@ -124,6 +130,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             fp8_emulate,
             chunked_step,
             master_remainders,
+            masters,
         )
         self.overflow_retries = check_overflow_retries(overflow_retries, self.scaler)
         self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)

@@ -241,3 +241,21 @@ def test_clipping_by_norm_after_clipping_by_value_is_refused() -> None:
     trainer = quiet_trainer(max_steps=2, plugins=[MPTPrecision("bf16", chunked_step=64)])
     with pytest.raises(ValueError, match="Clip by norm first, then by value"):
         trainer.fit(ClipsByValueThenNorm(), regression_data(n=32, d_out=4))
+
+
+def test_the_masters_options_in_one_object_or_as_single_arguments() -> None:
+    from lightning_mpt import MasterOptions
+    from lightning_mpt.fabric import MPTPrecision as FabricMPTPrecision
+
+    for plugin in (MPTPrecision, FabricMPTPrecision):
+        grouped = plugin("bf16", masters=MasterOptions(remainders=False, chunk=2**20))
+        single = plugin("bf16", master_remainders=False, chunked_step=2**20)
+        assert grouped.options == single.options == MasterOptions(True, False, 2**20, False)
+        assert plugin("bf16").options == MasterOptions(True, True, True, False)  # bf16's default
+        assert plugin("fp16").options == MasterOptions(True, False, False, False)  # fp16's
+        with pytest.raises(ValueError, match="give the masters' options once"):
+            plugin("bf16", masters=MasterOptions(), chunked_step=True)
+        with pytest.raises(TypeError, match="expected a lightning_mpt.MasterOptions"):
+            plugin("bf16", masters={"chunk": 4})
+        with pytest.raises(ValueError, match="needs precision='bf16'"):
+            plugin("fp16", masters=MasterOptions(remainders=True))

@@ -15,6 +15,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt._plugin import check_sharded, lbfgs_unsupported
+from lightning_mpt.core.config import MasterOptions
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
@@ -56,10 +57,12 @@ class MPTPrecision(ModuleHooks, Precision):
             see the Trainer plugin and docs/fp8.md. Not with ``sharded=True``.
         fp8_filter: ``fn(module, fqn) -> bool``: convert only the eligible layers it accepts.
         fp8_emulate: emulate the fp8 matmuls (CPU, GPUs without fp8 Tensor Cores), never done silently.
-        chunked_step: step the masters a chunk of parameters at a time (see the Trainer plugin and docs/memory.md).
-            Clip with :meth:`clip_gradients`: ``fabric.clip_gradients`` clips fp32 gradients a chunked step never
-            holds all at once, and refuses.
-        master_remainders: store bf16 masters as their 16 low bits between steps (see the Trainer plugin).
+        chunked_step: step the masters a chunk of parameters at a time (see the Trainer plugin and docs/memory.md;
+            by default for bf16). Clip with :meth:`clip_gradients`: ``fabric.clip_gradients`` clips fp32 gradients a
+            chunked step never holds all at once (it takes a default step whole; one asked for, it refuses).
+        master_remainders: store bf16 masters as their 16 low bits between steps (see the Trainer plugin; by default
+            for bf16 with chunks).
+        masters: the options of the masters in one :class:`~lightning_mpt.MasterOptions` (see the Trainer plugin).
 
     Example:
         ```python
@@ -91,6 +94,7 @@ class MPTPrecision(ModuleHooks, Precision):
         fp8_emulate: bool = False,
         chunked_step: Union[bool, int, None] = None,
         master_remainders: Optional[bool] = None,
+        masters: Optional[MasterOptions] = None,
     ) -> None:
         self._init_plugin(
             precision,
@@ -105,6 +109,7 @@ class MPTPrecision(ModuleHooks, Precision):
             fp8_emulate,
             chunked_step,
             master_remainders,
+            masters,
         )
         _check_sharded(sharded, master_weights)
         if sharded:

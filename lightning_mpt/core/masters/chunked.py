@@ -176,7 +176,7 @@ class ChunkedGrads(Gradients):
         for start, stop in _chunks(self.params, self.chunk):
             kept = [(p, m) for p, m in zip(self.params[start:stop], self.masters[start:stop]) if p.grad is not None]
             fp32 = _fp32_copies([p for p, _ in kept], [m for _, m in kept])
-            if fp32:
+            if fp32 and self.scale != 1.0:  # x * 1 is x
                 _unscale_(fp32, 1.0 / self.scale)
             norm_of = dict(zip(map(id, (p for p, _ in kept)), _compat.foreach_norm(fp32, 2.0) if fp32 else []))
             zero = torch.zeros((), device=self.params[start].device)
@@ -314,7 +314,8 @@ class ChunkedMasters(CopyMasters):
         kept = [(p, m) for p, m in zip(params, masters) if p.grad is not None]
         fp32 = _fp32_copies([p for p, _ in kept], [m for _, m in kept])
         if fp32:
-            _unscale_(fp32, 1.0 / grads.scale)
+            if grads.scale != 1.0:  # without a loss scale (bf16) the copies are the true values already
+                _unscale_(fp32, 1.0 / grads.scale)
             if grads.coefficient is not None:
                 _compat.foreach_mul_(fp32, grads.coefficient.to(fp32[0].device))
             if grads.clip_value is not None:
