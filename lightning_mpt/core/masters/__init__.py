@@ -192,13 +192,15 @@ class Masters(Protocol):
         """The tensors holding the masters now, other than the parameters themselves."""
 
 
-class _Handing(Protocol):
+class _HandsOverMasters(Protocol):
+    """What :func:`whole_step` needs of the masters: to hand them to an optimizer and take them back."""
+
     def enter(self, optimizer: Optimizer, grads: Gradients) -> None: ...
 
     def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None: ...
 
 
-def whole_step(masters: _Handing, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
+def whole_step(masters: _HandsOverMasters, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
     """:meth:`Masters.steps` for one whole step: the masters are entered, the caller steps once, they exit (also when
     the step raised: the generator is closed then, and the exit knows nothing was stepped)."""
     masters.enter(optimizer, grads)

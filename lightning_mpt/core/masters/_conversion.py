@@ -1,12 +1,13 @@
 """Setting a module up for fp32 masters: which parameters to cast, the hooks that make its checkpoints hold the
 masters, the legacy reparametrizations and the modules autocast does not cover. Used by
-:class:`~lightning_mpt.core.masters.copies.CopyMasters` at set-up, not during a step."""
+:class:`~lightning_mpt.core.masters.copies.CopyMasters` and its subclasses (through :class:`ConvertedMasters`) at
+set-up, not during a step."""
 
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -16,8 +17,26 @@ from torch.optim import Optimizer
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import HALF_DTYPES
 
-if TYPE_CHECKING:
-    from lightning_mpt.core.masters.copies import CopyMasters
+
+class ConvertedMasters(Protocol):
+    """What set-up and the checkpoint hooks need of the masters that convert a module (the copies, chunked or
+    stored as remainders): the parameters cast and their masters, and the master's value in and out of a checkpoint."""
+
+    dtype: torch.dtype
+    enabled: bool
+    keep_fp32: tuple[type[nn.Module], ...]
+    names: dict[Tensor, str]
+    converted: dict[Tensor, None]
+    masters: dict[Tensor, Tensor]
+
+    def add_master(self, param: Tensor, master: Tensor) -> None: ...
+
+    def saved_master(self, param: Tensor) -> Optional[Tensor]: ...
+
+    def load_master(self, param: Tensor, value: Tensor) -> Optional[Tensor]: ...
+
+    def absorb_all_edits(self) -> list[str]: ...
+
 
 # modules with parameters whose ops torch.autocast does not cover: their floating inputs (positional and keyword)
 # are cast to the weights' dtype. Found by running every nn module with half weights under CPU and CUDA autocast.
@@ -83,7 +102,7 @@ def trained_frozen(module: nn.Module, kept: set[int], dtype: torch.dtype) -> set
     return {p for p, differs in zip(frozen, flags) if differs}
 
 
-def convert_module(owner: CopyMasters, module: nn.Module, restored: bool) -> list[Any]:
+def convert_module(owner: ConvertedMasters, module: nn.Module, restored: bool) -> list[Any]:
     """Cast ``module``'s castable parameters to ``owner``'s half format in place, make their masters (see
     :meth:`CopyMasters.convert`), and register the hooks that save and load the masters; returns their handles."""
     lazy = [name for name, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
@@ -123,7 +142,7 @@ def convert_module(owner: CopyMasters, module: nn.Module, restored: bool) -> lis
     return handles
 
 
-def restore_module(owner: CopyMasters) -> None:
+def restore_module(owner: ConvertedMasters) -> None:
     """Give ``owner``'s converted parameters fp32 tensors again: their masters (a parameter without one, or whose
     data other code replaced, takes its current value in fp32), with their gradients in fp32."""
     for p in owner.converted:
@@ -181,7 +200,7 @@ def rebuild_over_masters(optimizer: Optimizer, masters: dict[Tensor, Tensor]) ->
 class MasterStateDictHook:
     """``state_dict`` post-hook of one module: its converted parameters are saved as their fp32 masters."""
 
-    def __init__(self, owner: CopyMasters, names: list[str]) -> None:
+    def __init__(self, owner: ConvertedMasters, names: list[str]) -> None:
         self.owner, self.names = owner, names
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -209,7 +228,7 @@ class MasterLoadHook:
     value: the checkpoint was saved after it was unfrozen, and resuming must continue from its exact master.
     """
 
-    def __init__(self, owner: CopyMasters, names: list[str]) -> None:
+    def __init__(self, owner: ConvertedMasters, names: list[str]) -> None:
         self.owner, self.names = owner, names
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -240,7 +259,7 @@ class EditsBeforeSaving:
     """``state_dict`` pre-hook of the converted module: edits of its half weights go into the masters first, so a
     checkpoint written after a hook clamped the weights holds the clamped values."""
 
-    def __init__(self, owner: CopyMasters) -> None:
+    def __init__(self, owner: ConvertedMasters) -> None:
         self.owner = owner
 
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:

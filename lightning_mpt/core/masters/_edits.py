@@ -38,7 +38,7 @@ def _bits_equal(a: Tensor, b: Tensor) -> bool:
     return head and torch.equal(a[n:], b[n:])
 
 
-def _word(a: Tensor, b: Tensor) -> torch.dtype:
+def _comparison_dtype(a: Tensor, b: Tensor) -> torch.dtype:
     """The integer type to compare two flat half tensors in: int64 words of four values where the layout allows."""
     aligned = a.numel() % 4 == 0 and a.storage_offset() % 4 == 0 and b.storage_offset() % 4 == 0
     return torch.int64 if aligned else torch.int16
@@ -48,7 +48,7 @@ def bits_differ(a: Tensor, b: Tensor) -> Tensor:
     """Whether two half tensors of one shape differ in any bit (0-dim, on their device), compared as integers: as
     int64 words of four values where the layout allows, else value by value as int16."""
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    word = _word(a, b)
+    word = _comparison_dtype(a, b)
     return torch.ne(a.view(word), b.view(word)).any()
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from lightning_mpt import _compat
 
 
-class _Kept:
+class _ReusedBuffer:
     """A buffer and its views, kept for the next step, with the counts of what holds them when nothing but this does.
 
     Args:
@@ -92,7 +92,7 @@ class FlatLayout:
         self.position = [0] * len(tensors)  # tensor i -> its view's place in the blocks' order
         for pos, i in enumerate(i for idx in groups.values() for i in idx):
             self.position[i] = pos
-        self._kept: dict[tuple[str, torch.dtype, torch.device], _Kept] = {}
+        self._kept: dict[tuple[str, torch.dtype, torch.device], _ReusedBuffer] = {}
 
     def views(self, dtype: torch.dtype, device: torch.device, purpose: str = "") -> tuple[Tensor, list[Tensor]]:
         """A flat buffer and the views of it shaped as the tensors, in their order (contiguous each), their values
@@ -106,7 +106,7 @@ class FlatLayout:
                 kept.wake()
                 return kept.flat, kept.views
             del self._kept[key]  # a holder keeps them: theirs now
-        kept = self._kept[key] = _Kept(self.numel, dtype, device, self._views_of)
+        kept = self._kept[key] = _ReusedBuffer(self.numel, dtype, device, self._views_of)
         return kept.flat, kept.views
 
     def _views_of(self, flat: Tensor) -> list[Tensor]:

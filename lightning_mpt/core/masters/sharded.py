@@ -162,7 +162,7 @@ def check_sharding(
             members[group].append((name, _nearest(owner, kept) is not None))
     if unsharded:
         raise ValueError(
-            f"MPTPrecision under FSDP2: the parameters {_some(unsharded)} are not sharded by fully_shard, so nothing "
+            f"MPTPrecision under FSDP2: the parameters {_listed(unsharded)} are not sharded by fully_shard, so nothing "
             f"would reduce their gradients across processes. Call fully_shard on the root module last. {where.how}"
         )
     spans = {p.device_mesh.size() for p in module.parameters() if isinstance(p, DTensor)}
@@ -176,7 +176,7 @@ def check_sharding(
         )
     if not_fp32:
         raise ValueError(
-            f"MPTPrecision under FSDP2: the sharded parameters {_some(not_fp32)} are not fp32. FSDP2 shards the "
+            f"MPTPrecision under FSDP2: the sharded parameters {_listed(not_fp32)} are not fp32. FSDP2 shards the "
             "parameters as they are when fully_shard is called, and those shards are the fp32 master weights: build "
             "the model in fp32 (no .half()/.bfloat16(), no '-true' precision); the plugin's policy sets the half "
             "format."
@@ -193,7 +193,7 @@ def check_sharding(
         only_kept = all(k for _, k in params)
         if param_dtype == torch.float32 and not only_kept:
             raise ValueError(
-                f"MPTPrecision('{name_of}') under FSDP2: {call} all-gathers {_some([n for n, k in params if not k])} "
+                f"MPTPrecision('{name_of}') under FSDP2: {call} all-gathers {_listed([n for n, k in params if not k])} "
                 f"in fp32, so they would compute in fp32. Pass the plugin's policy, "
                 f"mp_policy={where.policy} (param_dtype={dtype}). Only modules of keep_fp32 "
                 "types (norm layers) may be sharded on their own in fp32."
@@ -238,7 +238,8 @@ def _nearest(name: str, names: Any) -> Optional[str]:
         name = name.rpartition(".")[0]
 
 
-def _some(names: list[str], limit: int = 8) -> str:
+def _listed(names: list[str], limit: int = 8) -> str:
+    """The first ``limit`` of ``names`` for a message, and how many more."""
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
