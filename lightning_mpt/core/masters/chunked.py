@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
-from lightning_mpt.core.masters._flow import _chunks, _unscale_
+from lightning_mpt.core.masters._copy_step import _chunks, _unscale_
 from lightning_mpt.core.masters.copies import CopyMasters
 
 __all__ = [

@@ -28,14 +28,14 @@ from torch.utils.hooks import RemovableHandle
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, HALF_DTYPES, Gradients, distributed
 from lightning_mpt.core.masters._conversion import convert_module, exact_state, restore_module
+from lightning_mpt.core.masters._copy_step import CopyStep, _by_device
 from lightning_mpt.core.masters._edits import WeightEdits, copy_into_masters, edited_pairs
-from lightning_mpt.core.masters._flow import GradientFlow, _by_device
 from lightning_mpt.core.masters._groups import GroupSwap
 
 __all__ = ["CopyMasters"]
 
 
-class CopyMasters(GradientFlow):
+class CopyMasters(CopyStep):
     """FP32 master copies of a module's half-precision parameters.
 
     Args:
@@ -68,7 +68,7 @@ class CopyMasters(GradientFlow):
         self.groups = GroupSwap(self.masters, self.converted)
         self.edits = WeightEdits(self.masters, dtype)
         self._kept: list[Gradients] = []  # steps whose masters keep their fp32 gradients until the next forward
-        self._zeros: dict[Tensor, tuple[Tensor, Optional[int]]] = {}  # zero gradients standing for none (GradientFlow)
+        self._zeros: dict[Tensor, tuple[Tensor, Optional[int]]] = {}  # zero gradients standing for none (CopyStep)
         self._accumulated: dict[Tensor, RemovableHandle] = {}
         self.names: dict[Tensor, str] = {}
         self._handles: list[RemovableHandle] = []

@@ -1,5 +1,5 @@
 """The gradients' way through a step with fp32 master copies: half and scaled after the backward, fp32 and unscaled
-on the masters for the optimizer, released (or scaled again) before the next forward. :class:`GradientFlow` holds the
+on the masters for the optimizer, released (or scaled again) before the next forward. :class:`CopyStep` holds the
 step's verbs of :class:`~lightning_mpt.core.masters.copies.CopyMasters`."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _DTYPE, _GRAD = attrgetter("dtype"), attrgetter("grad")
 _SPARSE = "MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False)."
 
 
-class GradientFlow:
+class CopyStep:
     """The step's verbs of the copy masters: :meth:`prepare`, :meth:`enter`, :meth:`exit`, :meth:`discard`,
     :meth:`rescale`, :meth:`release`, :meth:`accumulate_in_fp32` (see :class:`~lightning_mpt.core.masters.Masters`)."""
 
@@ -344,7 +344,7 @@ def _chunks(params: list[Tensor], budget: int = 2**24) -> Iterator[tuple[int, in
 
 
 def _release(grads: Gradients, drop: bool) -> None:
-    """:meth:`GradientFlow.release` of one step's gradients."""
+    """:meth:`CopyStep.release` of one step's gradients."""
     for p, m, mg in zip(grads.params, grads.masters, grads.master_grads):
         m.grad = None
         if p.grad is mg:
