@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,examples]"
 	touch $(STAMP)
 
-demo: $(STAMP)  ## about 5 s on 2 quiet CPU cores (after the set-up): a real overflow and the scaler's recovery, underflow at a low scale, the report's advice
+demo: $(STAMP)  ## 6-7 s on 2 CPU cores (after the set-up): a real overflow and the scaler's recovery, underflow at a low scale, the report's advice
 	$(PY) examples/precision_story.py
 	@echo "plots in runs/story/report; tensorboard is $(VENV)/bin/tensorboard"
 
