@@ -106,7 +106,7 @@ class MixedPrecisionPlugin(Float8Plugin):
         self._given = MasterOptions(master_weights, master_remainders, chunked_step, accumulate_fp32)
         self.options = self._given.resolved(dtype)
         self._engine = MixedPrecisionEngine(
-            build_masters(self.options, dtype, kept, chunks_asked=chunked_step is not None),
+            build_masters(self.options, dtype, kept, chunks_asked=self._given.chunk is not None),
             checked_scaler,
             max_consecutive_skips,
             accumulate_fp32,

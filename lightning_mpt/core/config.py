@@ -89,8 +89,9 @@ class MasterOptions:
     Args:
         enabled: keep fp32 masters (``master_weights``); ``False`` steps the half weights themselves.
         remainders: store each bf16 master as its 16 low bits beside the weight between steps (``master_remainders``).
-        chunk: step the masters a chunk at a time (``chunked_step``): ``True`` for chunks of ``2**24`` elements, a
-            number of elements, or ``False`` for the whole step.
+        chunk: step the masters a chunk at a time (``chunked_step``): ``True`` for chunks of about a sixteenth of
+            the model (between ``2**18`` and ``2**24`` elements), a number of elements, or ``False`` for the whole
+            step.
         accumulate_fp32: sum the micro-batches' gradients in fp32 (``accumulate_fp32``).
 
     Example:

@@ -75,8 +75,9 @@ def fingerprint(half: Tensor) -> Tensor:
     return torch.nn.functional.pad(bits, (0, slot(bits.numel()) - bits.numel())).view(torch.int64).sum()
 
 
-def _split_into(master: Tensor, half: Tensor, rem: Tensor) -> None:
-    """:func:`split` of ``master`` (contiguous) into ``half`` (an int16 view of bf16) and ``rem``, in four passes.
+def _split_into(master: Tensor, half: Optional[Tensor], rem: Tensor) -> None:
+    """:func:`split` of ``master`` (contiguous) into ``half`` (an int16 view of bf16; ``None``: the remainders alone,
+    one pass) and ``rem``, in four passes.
 
     The remainder is the master's low 16 bits read as a signed int16, and the weight its top 16 bits plus one where
     that is negative (the low half ``>= 0x8000``): the bit pattern rounded with ties away from zero, the remainder in
@@ -86,6 +87,8 @@ def _split_into(master: Tensor, half: Tensor, rem: Tensor) -> None:
     words = master.view(-1).view(torch.int16).view(-1, 2)  # little-endian: (low half, top half) of each master
     top = words[:, 1]
     rem.copy_(words[:, 0])
+    if half is None:
+        return
     half.view(torch.bfloat16).copy_(master.view(-1))
     missing = torch.bitwise_not(top).bitwise_and_(1)  # 1 where the top half is even
     missing.mul_(rem == -0x8000)  # ... at a tie
@@ -171,17 +174,14 @@ class RemainderStore:
             join(self._slice(self.halves.flat, k), self._slice(self.rem, k), out=self._buffers[k])
         self.awake.add(k)
 
-    def sleep(self, k: int, write_halves: bool = True) -> None:
-        """Put chunk ``k``'s masters back into its weights (unless not ``write_halves``: they are the masters' already)
-        and remainders, fingerprint the weights, and give the masters' memory back."""
+    def sleep(self, k: int) -> None:
+        """Put chunk ``k``'s masters back into its weights and remainders, fingerprint the weights, and give the
+        masters' memory back."""
         if k not in self.awake:
             return
         with torch.no_grad():
             weights = self._slice(self.halves.flat, k).view(torch.int16)
-            if write_halves:
-                _split_into(self._buffers[k], weights, self._slice(self.rem, k))
-            else:
-                _split_into(self._buffers[k], torch.empty_like(weights), self._slice(self.rem, k))
+            _split_into(self._buffers[k], weights, self._slice(self.rem, k))
             self.prints[k] = self._prints(k)
         self.free(k)
 

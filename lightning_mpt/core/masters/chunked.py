@@ -316,11 +316,7 @@ class ChunkedMasters(CopyMasters):
         if fp32:
             if grads.scale != 1.0:  # without a loss scale (bf16) the copies are the true values already
                 _unscale_(fp32, 1.0 / grads.scale)
-            if grads.coefficient is not None:
-                _compat.foreach_mul_(fp32, grads.coefficient.to(fp32[0].device))
-            if grads.clip_value is not None:
-                for g in fp32:
-                    g.clamp_(-grads.clip_value, grads.clip_value)
+            _clip(fp32, grads, 1.0)
         for (_, m), g in zip(kept, fp32):
             m.grad = g
         return fp32
@@ -362,17 +358,24 @@ class ChunkedMasters(CopyMasters):
             super().rescale(grads, scale)
             return
         half = [p.grad for p in grads.params if p.grad is not None]
-        if half and grads.coefficient is not None:
-            _compat.foreach_mul_(half, grads.coefficient.to(half[0].device))
-        if half and grads.clip_value is not None:
-            for g in half:
-                g.clamp_(-grads.clip_value * grads.scale, grads.clip_value * grads.scale)
+        if half:
+            _clip(half, grads, grads.scale)
         grads.coefficient = grads.clip_value = None  # applied: the next decision starts from these gradients
         if half and scale != grads.scale:
             _compat.foreach_mul_(half, scale / grads.scale)
         own = [p.grad for p in grads.own_params if p.grad is not None]
         if own and scale != 1.0:
             _compat.foreach_mul_(own, scale)
+
+
+def _clip(tensors: list[Tensor], grads: ChunkedGrads, scale: float) -> None:
+    """Apply ``grads``' clipping as decided to ``tensors`` (gradients carrying ``scale``), in place: the norm's
+    coefficient, then the value's bound."""
+    if grads.coefficient is not None:
+        _compat.foreach_mul_(tensors, grads.coefficient.to(tensors[0].device))
+    if grads.clip_value is not None:
+        for g in tensors:
+            g.clamp_(-grads.clip_value * scale, grads.clip_value * scale)
 
 
 def _fp32_copies(params: list[Tensor], masters: list[Tensor]) -> list[Tensor]:
