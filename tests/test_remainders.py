@@ -123,6 +123,48 @@ def test_a_weight_edited_while_its_master_sleeps_becomes_its_master_exactly(chun
     assert all(checks)
 
 
+def permute_hidden_units(model: Net) -> None:
+    """Git re-basin's edit: the hidden units in another order, the function unchanged. Each tensor keeps its values,
+    each in the same place of an 8-byte word (units moved by four places; the rows of ``a.weight`` are two words
+    each), so the sum of its words is unchanged too."""
+    order = torch.arange(32).roll(4)
+    with torch.no_grad():
+        for p in (model.a.weight, model.a.bias, model.norm.weight, model.norm.bias):
+            p.data.copy_(p.data[order])
+        model.b.weight.data.copy_(model.b.weight.data[:, order])
+
+
+@pytest.mark.parametrize(
+    ("plugin", "steps"),
+    [({"master_remainders": True, "chunked_step": 64}, 3), ({"master_remainders": True}, 3), ({}, 2)],
+    ids=["remainders-chunked", "remainders", "fp16-copies"],
+)
+def test_a_permutation_of_the_hidden_units_becomes_the_masters_exactly(plugin, steps):
+    """A permutation keeps each tensor's sum: the fingerprints weigh each word by its place, so it is seen. With
+    remainders, a permutation unseen would leave each remainder where it was (masters neither the old ones permuted
+    nor the weights); with fp32 copies, the next write-back would undo it."""
+    checks = []
+    permuted = []
+
+    def edit(model: Net, when: str) -> None:
+        if when == "start" and model.trainer.global_step == 1:
+            permute_hidden_units(model)
+            permuted.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        elif when == "step" and permuted and len(checks) == 0:
+            precision = model.trainer.precision_plugin
+            checks.extend(
+                (n, torch.equal(precision.master_of(p), permuted[0][n].float()))
+                for n, p in model.named_parameters()
+                if n in ("a.weight", "a.bias", "b.weight")
+            )
+
+    precision = "fp16" if not plugin else "bf16"
+    model = Net(edit)
+    trainer = quiet_trainer(max_steps=steps, plugins=[MPTPrecision(precision, **plugin)])
+    trainer.fit(model, regression_data(n=8 * steps, d_in=8, d_out=1, batch_size=8))
+    assert checks == [("a.weight", True), ("a.bias", True), ("b.weight", True)]
+
+
 class ClampsAfterTheStep(L.LightningModule):
     """A WGAN-style clamp of a weight in ``on_train_batch_end``, SGD without momentum at learning rate ``lr``."""
 

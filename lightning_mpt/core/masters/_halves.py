@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Optional
 
 import torch
@@ -26,6 +27,45 @@ WORD = 4  # 2-byte values per 8-byte word: every tensor starts on a word
 def slot(numel: int) -> int:
     """The elements a tensor of ``numel`` takes in a flat buffer: whole words (the rest of its last word unused)."""
     return -(-numel // WORD) * WORD
+
+
+PERIOD = 65521  # the largest prime below 2**16: a word's weight in a fingerprint is its place modulo it, plus one
+
+
+def fingerprints(runs: Sequence[Tensor]) -> Tensor:
+    """The fingerprint of each row of each of ``runs`` (``(count, n)`` int64 each: tensors' 2-byte values read as
+    8-byte words): ``(rows, 2)``, a row's sum and its sum weighted by each word's place (``1 + place % PERIOD``), both
+    wrapping. An edit of one value changes the first (each value counts with a weight of ``2**(16 k)`` by its place
+    ``k`` in its word); an edit that keeps the sum, such as a permutation of values or of rows (``flip``, a transpose,
+    git re-basin's permutation of hidden units), changes the second, unless its changes cancel exactly (words moved
+    by a multiple of ``PERIOD`` places, or many changes). No temporary of a run's size on a CPU, and one ramp of
+    ``PERIOD`` words per device, whatever the sizes.
+
+    Example:
+        ```python
+        w = torch.randn(2, 8).half()
+        before = fingerprints([w.view(torch.int64)])
+        w[0] = w[0].roll(4)  # its two words swapped: the same sum
+        assert torch.equal(fingerprints([w.view(torch.int64)]) != before, torch.tensor([[False, True], [False, False]]))
+        ```
+    """
+    parts = []
+    for words in runs:  # a loop, not a call per run: a step's Python stays a few calls whatever the model
+        count, n = words.shape
+        ramp = _ramp(words.device)
+        whole = n - n % PERIOD
+        tail, periods = words[:, whole:], words[:, :whole].view(count, whole // PERIOD, PERIOD)
+        if words.device.type == "cpu":  # integer matrix products: no temporary
+            placed = tail @ ramp[: n - whole] + (periods @ ramp).sum(1)
+        else:  # integer matmul may be missing: a product of a chunk's size at most
+            placed = (tail * ramp[: n - whole]).sum(1) + (periods * ramp).sum((1, 2))
+        parts.append(torch.stack((words.sum(1), placed), 1))
+    return torch.cat(parts) if parts else torch.zeros(0, 2, dtype=torch.int64)
+
+
+@cache
+def _ramp(device: torch.device) -> Tensor:
+    return torch.arange(1, PERIOD + 1, dtype=torch.int64, device=device)
 
 
 # memory formats whose strides a view of a flat buffer can keep (a channels-last convolution stays channels-last)
@@ -176,6 +216,15 @@ class HalfWeights:
                 view.copy_(p.detach())
                 p.data = view  # same dtype and device: the parameter keeps its accumulator, hooks and version
         self._pointers = list(map(Tensor.data_ptr, self.params))
+        bits = self.flat.view(torch.int16)
+        # per chunk, each run's weights as rows of 8-byte words: views made once, for the fingerprints
+        self._words = [[self._run_words(bits, run) for run in c.runs] for c in self.layout.chunks]
+        self._all_words = [words for chunk in self._words for words in chunk]
+
+    def _run_words(self, bits: Tensor, run: Run) -> Tensor:
+        if not run.numel:  # empty tensors: no words (a view would have no stride to read words by)
+            return torch.zeros(run.count, 0, dtype=torch.int64, device=bits.device)
+        return self.layout.rows(bits, run).view(torch.int64)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,6 +233,10 @@ class HalfWeights:
     @property
     def device(self) -> torch.device:
         return self.flat.device
+
+    def fingerprints(self, k: Optional[int] = None) -> Tensor:
+        """The :func:`fingerprints` of every weight, or of chunk ``k``'s, in the layout's order: ``(weights, 2)``."""
+        return fingerprints(self._all_words if k is None else self._words[k])
 
     def pointer(self, position: int) -> int:
         """The data pointer of the parameter at ``position``'s view."""

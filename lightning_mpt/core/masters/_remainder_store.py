@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpt import _compat
-from lightning_mpt.core.masters._halves import HalfWeights, slot
+from lightning_mpt.core.masters._halves import HalfWeights, fingerprints, slot
 
 
 def split(master: Tensor) -> tuple[Tensor, Tensor]:
@@ -58,10 +58,9 @@ def join(half: Tensor, rem: Tensor, out: Optional[Tensor] = None) -> Tensor:
 
 
 def fingerprint(half: Tensor) -> Tensor:
-    """The sum of the bit patterns of ``half`` read as 8-byte words in memory order (int64, wrapping, 0-dim, on its
-    device; the last word filled with zeros): what changes when an edit changes its values. Each value counts with a
-    weight of ``2**(16 k)`` by its place ``k`` in its word, so no edit of one value goes unseen, and an edit of many
-    only if their changes cancel exactly.
+    """The :func:`~lightning_mpt.core.masters._halves.fingerprints` of one tensor of 2-byte values (``(2,)`` int64,
+    on its device): its bits read as 8-byte words in memory order, the last word filled with zeros, as its slot in a
+    flat buffer holds them.
 
     Example:
         ```python
@@ -72,7 +71,8 @@ def fingerprint(half: Tensor) -> Tensor:
         ```
     """
     bits = half.detach().as_strided((half.numel(),), (1,)).view(torch.int16)  # memory order (a dense tensor)
-    return torch.nn.functional.pad(bits, (0, slot(bits.numel()) - bits.numel())).view(torch.int64).sum()
+    words = torch.nn.functional.pad(bits, (0, slot(bits.numel()) - bits.numel())).view(torch.int64)
+    return fingerprints([words.view(1, -1)])[0]
 
 
 def _split_into(master: Tensor, half: Optional[Tensor], rem: Tensor) -> None:
@@ -209,16 +209,8 @@ class RemainderStore:
 
     # ------------------------------------------------------------------ edits
     def _prints(self, k: int) -> Tensor:
-        """The :func:`fingerprint` of each weight of chunk ``k``: one sum of words per run of equal sizes."""
-        chunk = self.layout.chunks[k]
-        weights = self._slice(self.halves.flat, k).view(torch.int16)
-        sums = [
-            self.layout.rows(weights, run, chunk).view(torch.int64).sum(1)
-            if run.numel
-            else torch.zeros(run.count, dtype=torch.int64, device=weights.device)  # empty tensors: nothing to edit
-            for run in chunk.runs
-        ]
-        return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=weights.device)
+        """The :func:`fingerprint` of each weight of chunk ``k``, ``(weights, 2)``."""
+        return self.halves.fingerprints(k)
 
     def check(self) -> Tensor:
         """Which weights (in the layout's order) user code edited since their masters last slept, on the device: an
@@ -227,7 +219,7 @@ class RemainderStore:
         with torch.no_grad():
             for k, chunk in enumerate(self.layout.chunks):
                 now = self._prints(k)
-                edited = torch.ne(now, self.prints[k])
+                edited = torch.ne(now, self.prints[k]).any(1)
                 if edited.device.type != "cpu" or bool(edited.any()):  # a CPU reads it for free
                     rem = self._slice(self.rem, k)
                     for run in chunk.runs:
@@ -243,7 +235,7 @@ class RemainderStore:
         row = position - self.layout.chunks[k].first
         with torch.no_grad():
             now = fingerprint(self.params[position])
-            edited = torch.ne(now, self.prints[k][row])
+            edited = torch.ne(now, self.prints[k][row]).any()
             self.rems[position].masked_fill_(edited, 0)
             self.prints[k][row] = now
         return edited

@@ -13,9 +13,9 @@ payload).
 parameter instead of 6. A master is woken (rebuilt in fp32) for its step, a chunk at a time with the chunked step, and
 put back to sleep after it. Anything that asks for a master between steps (``master_of``, diagnostics, weight
 averaging) wakes it until the next forward. A half weight edited in place while its master sleeps (a clamp,
-``nn.Embedding(max_norm=...)``) is noticed by a fingerprint of its bits (:func:`fingerprint`: the sum of its 8-byte
-words, which no edit of one value leaves unchanged): the master then takes the edited value exactly, as with fp32
-copies.
+``nn.Embedding(max_norm=...)``, a permutation of hidden units) is noticed by a fingerprint of its bits
+(:func:`fingerprint`: the sum of its 8-byte words, which no edit of one value leaves unchanged, and their sum weighted
+by place, which a permutation changes): the master then takes the edited value exactly, as with fp32 copies.
 """
 
 from __future__ import annotations
