@@ -16,6 +16,7 @@ from models import quiet_trainer, regression_data
 from torch import nn
 
 from lightning_mpt import MPTPrecision
+from lightning_mpt.core.masters._halves import PERIOD
 from lightning_mpt.core.masters.remainders import fingerprint, join, split
 
 
@@ -57,6 +58,25 @@ def test_a_fingerprint_changes_with_an_edit():
     before = fingerprint(w)
     w[3] = -w[3]
     assert not torch.equal(fingerprint(w), before)
+
+
+def test_a_fingerprint_sees_words_swapped_across_periods_of_its_weights():
+    """Past ``PERIOD`` words a tensor is weighed a period at a time: two words swapped across a period boundary
+    change it; words ``PERIOD`` places apart weigh the same, the one blind spot, which this pins down."""
+    words = torch.randn(4 * (2 * PERIOD + 10)).to(torch.bfloat16).view(torch.int64)  # 2 periods and 10 words
+    before = fingerprint(words.view(torch.bfloat16))
+
+    def swapped(a: int, b: int) -> torch.Tensor:
+        w = words.clone()
+        w[a], w[b] = words[b], words[a]
+        return fingerprint(w.view(torch.bfloat16))
+
+    assert torch.equal(swapped(5, 5), before)
+    for a, b in [(5, PERIOD + 7), (PERIOD - 1, PERIOD), (3, 2 * PERIOD + 9)]:
+        got = swapped(a, b)
+        assert got[0] == before[0]  # the same words: the same plain sum
+        assert got[1] != before[1], (a, b)
+    assert torch.equal(swapped(5, PERIOD + 5), before)
 
 
 class Net(L.LightningModule):

@@ -4,6 +4,8 @@ refresh undoing them. A half weight was edited when it differs from its master r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -151,6 +153,7 @@ class WeightEdits:
         # the flat weights' fingerprints when last known equal to their masters rounded (a CPU's flat weights only)
         self._accepted: Optional[Tensor] = None
         self._on_cpu = False  # whether the flat weights all lie on a CPU (set when laid out)
+        self._deferred: Optional[list[Tensor]] = None  # weights written inside batched(), fingerprinted at its end
 
     def invalidate(self) -> None:
         """The masters changed: the weights are laid flat again at the next check."""
@@ -189,9 +192,24 @@ class WeightEdits:
             return flat[0][0].fingerprints()
         return torch.cat([halves.fingerprints() for halves, _, _ in flat])
 
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Weights :meth:`written` inside are fingerprinted once, at the end: a chunked step writes a chunk at a
+        time, and nothing else runs between its writes that could edit them."""
+        self._deferred = []
+        try:
+            yield
+        finally:
+            params, self._deferred = self._deferred, None
+            if params:
+                self.written(params)
+
     def written(self, params: list[Tensor]) -> None:
         """The masters of ``params`` were just rounded into their weights: what the weights are now is what the next
         check expects of them."""
+        if self._deferred is not None:
+            self._deferred.extend(params)
+            return
         if self._accepted is None or self._flat is None:
             return  # nothing known: the next check compares the values
         now = self._fingerprints()

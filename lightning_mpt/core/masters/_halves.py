@@ -51,14 +51,14 @@ def fingerprints(runs: Sequence[Tensor]) -> Tensor:
     """
     parts = []
     for words in runs:  # a loop, not a call per run: a step's Python stays a few calls whatever the model
-        count, n = words.shape
+        placed = torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
         ramp = _ramp(words.device)
-        whole = n - n % PERIOD
-        tail, periods = words[:, whole:], words[:, :whole].view(count, whole // PERIOD, PERIOD)
-        if words.device.type == "cpu":  # integer matrix products: no temporary
-            placed = tail @ ramp[: n - whole] + (periods @ ramp).sum(1)
-        else:  # integer matmul may be missing: a product of a chunk's size at most
-            placed = (tail * ramp[: n - whole]).sum(1) + (periods * ramp).sum((1, 2))
+        for start in range(0, words.shape[1], PERIOD):  # a period at a time: 2-D products, fast on every device
+            block = words[:, start : start + PERIOD]
+            weights = ramp[: block.shape[1]]
+            # the CPU multiplies integers without a temporary; elsewhere integer matmul may be missing, and the
+            # product is a chunk's size at most
+            placed += block @ weights if words.device.type == "cpu" else (block * weights).sum(1)
         parts.append(torch.stack((words.sum(1), placed), 1))
     return torch.cat(parts) if parts else torch.zeros(0, 2, dtype=torch.int64)
 
