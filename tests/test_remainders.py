@@ -42,6 +42,13 @@ def test_split_and_join_are_exact_and_round_ties_away_from_zero():
     tie_half, tie_rem = split(tie_values)
     finite = torch.isfinite(tie_values)
     assert torch.equal(join(tie_half, tie_rem).view(torch.int32)[finite], ties[finite])
+    # every finite tie rounds away from zero, to its top half plus one (a tensor this large is searched for its ties
+    # block by block on a CPU; the hand-computed ones below take the comparison per value)
+    assert torch.equal(tie_half.view(torch.int16)[finite], ((ties >> 16) + 1).to(torch.int16)[finite])
+    sparse = values.clone()
+    sparse[::997] = tie_values[::997]
+    kept = finite[::997]
+    assert torch.equal(split(sparse)[0].view(torch.int16)[::997][kept], tie_half.view(torch.int16)[::997][kept])
     # hand-computed: 1 + 2**-8 lies halfway between the bf16 values 1 and 1 + 2**-7; torch rounds it to even (1),
     # the remainders away from zero, and its negative likewise
     # (1 + 2**-7 + 2**-8 lies between an odd and an even neighbour: both round it up, to the even one)
