@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from lightning_mpt._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from lightning_mpt.core.config import MasterOptions
+    from lightning_mpt.core.config import MasterOptions, SkipPolicy
     from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
     from lightning_mpt.core.scaler import DynamicLossScaler
     from lightning_mpt.precision import MPTPrecision, NonFiniteGradientError, StepRecord
@@ -27,6 +27,7 @@ _EXPORTS = {
     "DEFAULT_KEEP_FP32": "lightning_mpt.core.masters",
     "DynamicLossScaler": "lightning_mpt.core.scaler",
     "MasterOptions": "lightning_mpt.core.config",
+    "SkipPolicy": "lightning_mpt.core.config",
     "MPTPrecision": "lightning_mpt.precision",
     "NonFiniteGradientError": "lightning_mpt.precision",
     "StepRecord": "lightning_mpt.precision",
@@ -36,6 +37,7 @@ __all__ = [
     "DynamicLossScaler",
     "MPTPrecision",
     "MasterOptions",
+    "SkipPolicy",
     "NonFiniteGradientError",
     "StepRecord",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -19,7 +20,13 @@ from torch.optim import Optimizer
 
 from lightning_mpt._fp8_plugin import Float8Plugin
 from lightning_mpt._gradscaler import is_gradscaler_state, take_over
-from lightning_mpt.core.config import LIGHTNING_NAMES, MasterOptions, check_arguments
+from lightning_mpt.core.config import (
+    LIGHTNING_NAMES,
+    MasterOptions,
+    SkipPolicy,
+    check_arguments,
+    check_overflow_retries,
+)
 from lightning_mpt.core.engine import MixedPrecisionEngine
 from lightning_mpt.core.fp8 import check_fp8
 from lightning_mpt.core.masters import Masters, params_of
@@ -61,6 +68,8 @@ class MixedPrecisionPlugin(Float8Plugin):
     accumulate_fp32: bool
     skipped_steps_advance_schedulers: bool
     options: MasterOptions
+    skips: SkipPolicy
+    overflow_retries: int
 
     def _init_plugin(
         self,
@@ -77,11 +86,34 @@ class MixedPrecisionPlugin(Float8Plugin):
         chunked_step: Any = None,
         master_remainders: Any = None,
         masters: Any = None,
+        overflow_retries: Any = 0,
+        skips: Any = None,
     ) -> None:
         """The plugins' ``__init__``: check the arguments (a clear error for each), keep them, build the engine."""
         if masters is not None:
-            master_weights, master_remainders, chunked_step, accumulate_fp32 = _from_options(
-                masters, master_weights, master_remainders, chunked_step, accumulate_fp32
+            master_weights, master_remainders, chunked_step, accumulate_fp32 = _grouped(
+                "masters",
+                masters,
+                MasterOptions,
+                "MasterOptions(remainders=False, chunk=2**22)",
+                (
+                    ("master_weights", master_weights, True),
+                    ("master_remainders", master_remainders, None),
+                    ("chunked_step", chunked_step, None),
+                    ("accumulate_fp32", accumulate_fp32, False),
+                ),
+            )
+        if skips is not None:
+            max_consecutive_skips, overflow_retries, skipped_steps_advance_schedulers = _grouped(
+                "skips",
+                skips,
+                SkipPolicy,
+                "SkipPolicy(max_consecutive=100, advance_schedulers=False)",
+                (
+                    ("max_consecutive_skips", max_consecutive_skips, 50),
+                    ("overflow_retries", overflow_retries, 0),
+                    ("skipped_steps_advance_schedulers", skipped_steps_advance_schedulers, True),
+                ),
             )
         if not isinstance(skipped_steps_advance_schedulers, bool):
             raise TypeError(
@@ -113,6 +145,9 @@ class MixedPrecisionPlugin(Float8Plugin):
             on_edits=self._report_edits,
         )
         self._engine.log.gate = ScheduleGate(enabled=not skipped_steps_advance_schedulers)
+        self.overflow_retries = check_overflow_retries(overflow_retries, checked_scaler)
+        # the skip options as they apply
+        self.skips = SkipPolicy(max_consecutive_skips, self.overflow_retries, skipped_steps_advance_schedulers)
 
     @property
     def chunked_step(self) -> Union[bool, int]:
@@ -330,31 +365,22 @@ class MixedPrecisionPlugin(Float8Plugin):
         return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights}{chosen})"
 
 
-def _from_options(
-    masters: Any, master_weights: Any, master_remainders: Any, chunked_step: Any, accumulate_fp32: Any
-) -> tuple[Any, Any, Any, Any]:
-    """``MPTPrecision(masters=MasterOptions(...))``'s fields as the single arguments, which must be left unset."""
-    if not isinstance(masters, MasterOptions):
+def _grouped(argument: str, options: Any, cls: type, example: str, singles: tuple[tuple[str, Any, Any], ...]) -> Any:
+    """The fields of ``MPTPrecision(<argument>=cls(...))``, in their order; the single arguments that stand for them
+    (``(name, value, default)``) must be left at their defaults."""
+    if not isinstance(options, cls):
         raise TypeError(
-            f"MPTPrecision(masters={masters!r}): expected a lightning_mpt.MasterOptions, e.g. "
-            "MasterOptions(remainders=False, chunk=2**22)."
+            f"MPTPrecision({argument}={options!r}): expected a lightning_mpt.{cls.__name__}, e.g. {example}."
         )
-    given = [
-        name
-        for name, value, unset in (
-            ("master_weights", master_weights, True),
-            ("master_remainders", master_remainders, None),
-            ("chunked_step", chunked_step, None),
-            ("accumulate_fp32", accumulate_fp32, False),
-        )
-        if value is not unset
-    ]
+    # a default given explicitly (max_consecutive_skips=50) is no conflict; True for 1 or 0 for False would be
+    given = [name for name, value, unset in singles if not (type(value) is type(unset) and value == unset)]
     if given:
+        names = ", ".join(f.name for f in fields(cls))
         raise ValueError(
-            f"MPTPrecision(masters=MasterOptions(...), {', '.join(f'{n}=...' for n in given)}): give the masters' "
-            "options once, in MasterOptions (enabled, remainders, chunk, accumulate_fp32) or as single arguments."
+            f"MPTPrecision({argument}={cls.__name__}(...), {', '.join(f'{n}=...' for n in given)}): give these options "
+            f"once, in {cls.__name__} ({names}) or as single arguments."
         )
-    return masters.enabled, masters.remainders, masters.chunk, masters.accumulate_fp32
+    return tuple(getattr(options, f.name) for f in fields(cls))
 
 
 def unwrap(optimizer: Any) -> Any:

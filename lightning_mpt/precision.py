@@ -26,7 +26,7 @@ from lightning_mpt import _averaging, _compat, _retries
 from lightning_mpt._gradscaler import find_gradscaler_state
 from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, supported_strategies, unwrap
 from lightning_mpt._pretrained import SavedAsMasters
-from lightning_mpt.core.config import MasterOptions, check_overflow_retries
+from lightning_mpt.core.config import MasterOptions, SkipPolicy
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, is_fully_sharded
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -78,6 +78,9 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             counts for the LR schedulers. ``False`` (Megatron-LM's and DeepSpeed's): a scheduler's ``step()`` does
             nothing when every step of its optimizer since its last ``step()`` was skipped, so that warm-up and decay
             follow the updates actually applied (docs/scaler.md).
+        skips: the skip options in one object, :class:`~lightning_mpt.SkipPolicy` (``max_consecutive``, ``retries``,
+            ``advance_schedulers``), instead of ``max_consecutive_skips``, ``overflow_retries`` and
+            ``skipped_steps_advance_schedulers``.
         fp8: run eligible ``Linear`` layers' matmuls in fp8 with torchao's float8 training (``bf16`` only; needs
             ``pip install lightning-mpt[fp8]``): ``True`` (torchao's default, tensorwise scaling), a recipe name
             (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a ``torchao.float8.Float8LinearConfig``.
@@ -113,6 +116,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         masters: Optional[MasterOptions] = None,
         overflow_retries: int = 0,
         skipped_steps_advance_schedulers: bool = True,
+        skips: Optional[SkipPolicy] = None,
         fp8: Any = None,
         fp8_filter: Optional[Callable[[Module, str], bool]] = None,
         fp8_emulate: bool = False,
@@ -131,8 +135,9 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             chunked_step,
             master_remainders,
             masters,
+            overflow_retries,
+            skips,
         )
-        self.overflow_retries = check_overflow_retries(overflow_retries, self.scaler)
         self._copy_masters = self._engine.masters  # one device and DDP; FSDP2 has its own shards (convert_module)
         self._automatic = True  # the module's automatic_optimization, read at connect()
         self._averaging: list[_averaging.Adapted] = []  # weight-averaging callbacks pointed at the masters

@@ -253,7 +253,7 @@ def test_the_masters_options_in_one_object_or_as_single_arguments() -> None:
         assert grouped.options == single.options == MasterOptions(True, False, 2**20, False)
         assert plugin("bf16").options == MasterOptions(True, True, True, False)  # bf16's default
         assert plugin("fp16").options == MasterOptions(True, False, False, False)  # fp16's
-        with pytest.raises(ValueError, match="give the masters' options once"):
+        with pytest.raises(ValueError, match="give these options once, in MasterOptions"):
             plugin("bf16", masters=MasterOptions(), chunked_step=True)
         with pytest.raises(TypeError, match="expected a lightning_mpt.MasterOptions"):
             plugin("bf16", masters={"chunk": 4})

@@ -14,7 +14,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from models import InjectInf, SmallCNN, classification_images, quiet_trainer, regression_data
 from torch import nn
 
-from lightning_mpt import DynamicLossScaler, MPTPrecision
+from lightning_mpt import DynamicLossScaler, MPTPrecision, SkipPolicy
+from lightning_mpt.fabric import MPTPrecision as FabricMPTPrecision
 
 STEPS = 4
 
@@ -63,6 +64,43 @@ def test_an_overflowing_batch_runs_again_at_the_lower_scale_and_no_batch_is_lost
     for (name, a), b in zip(retried.state_dict().items(), reference.state_dict().values()):
         assert torch.equal(a, b), name
     assert plugin.loss_scale == ref_plugin.loss_scale
+
+
+def test_the_skip_options_in_one_object_act_as_the_single_arguments() -> None:
+    """``skips=SkipPolicy(retries=N)`` retries as ``overflow_retries=N`` does: the same batches run again, the same
+    masters bitwise (one process, the same operations in the same order)."""
+    runs = []
+    for kwargs in ({"overflow_retries": 20}, {"skips": SkipPolicy(retries=20)}):
+        torch.manual_seed(0)
+        model = Loud()
+        plugin = MPTPrecision("fp16", scaler=DynamicLossScaler(init_scale=2.0**16, growth_interval=1000), **kwargs)
+        quiet_trainer(max_steps=STEPS, plugins=[plugin]).fit(model, regression_data(n=64, batch_size=16))
+        runs.append((model, plugin))
+    (single, single_plugin), (grouped, plugin) = runs
+    assert plugin.skips == single_plugin.skips == SkipPolicy(max_consecutive=50, retries=20, advance_schedulers=True)
+    assert grouped.calls == single.calls > STEPS  # the overflowing batches ran again
+    for (name, a), b in zip(grouped.state_dict().items(), single.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_the_skip_options_are_given_once_and_retries_are_the_trainers() -> None:
+    for plugin in (MPTPrecision, FabricMPTPrecision):
+        grouped = plugin("fp16", skips=SkipPolicy(max_consecutive=3, advance_schedulers=False))
+        single = plugin("fp16", max_consecutive_skips=3, skipped_steps_advance_schedulers=False)
+        assert grouped.skips == single.skips == SkipPolicy(3, 0, False)
+        assert grouped.max_consecutive_skips == 3
+        assert grouped.skipped_steps_advance_schedulers is False
+        assert plugin("fp16", skips=SkipPolicy(), max_consecutive_skips=50).skips == SkipPolicy()  # a default is fine
+        with pytest.raises(ValueError, match=r"max_consecutive_skips=...\): give these options once, in SkipPolicy"):
+            plugin("fp16", skips=SkipPolicy(), max_consecutive_skips=3)
+        with pytest.raises(TypeError, match="expected a lightning_mpt.SkipPolicy"):
+            plugin("fp16", skips={"retries": 2})
+        with pytest.raises(ValueError, match="expected an int >= 1"):
+            plugin("fp16", skips=SkipPolicy(max_consecutive=0))
+    with pytest.raises(ValueError, match="a retry runs the Trainer's training_step again"):
+        FabricMPTPrecision("fp16", skips=SkipPolicy(retries=2))
+    with pytest.raises(ValueError, match="dynamic loss scale"):
+        MPTPrecision("bf16", skips=SkipPolicy(retries=1))
 
 
 def test_without_retries_the_overflowing_batches_are_lost() -> None:

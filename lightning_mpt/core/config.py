@@ -128,6 +128,32 @@ class MasterOptions:
         return check_chunked_step(self.chunk, self.enabled)
 
 
+@dataclass(frozen=True)
+class SkipPolicy:
+    """What the plugins do about a step with non-finite gradients: their skip options in one object.
+
+    Args:
+        max_consecutive: raise :class:`~lightning_mpt.NonFiniteGradientError` after this many skipped steps in a row
+            of one optimizer (``max_consecutive_skips``).
+        retries: run a batch whose gradients overflowed again at the backed-off scale, up to this many times, instead
+            of skipping its step (``overflow_retries``): the Trainer's automatic optimization only.
+        advance_schedulers: a skipped step counts for the LR schedulers, as in Lightning; ``False``: it does not, as
+            in Megatron-LM and DeepSpeed (``skipped_steps_advance_schedulers``).
+
+    Example:
+        ```python
+        from lightning_mpt import MPTPrecision, SkipPolicy
+
+        plugin = MPTPrecision("fp16", skips=SkipPolicy(retries=2, advance_schedulers=False))
+        assert plugin.skips == SkipPolicy(max_consecutive=50, retries=2, advance_schedulers=False)
+        ```
+    """
+
+    max_consecutive: int = 50
+    retries: int = 0
+    advance_schedulers: bool = True
+
+
 def check_chunked_step(chunked_step: Any, master_weights: bool) -> Union[int, Literal["auto"], None]:
     """Validate ``MPTPrecision(chunked_step=...)``; return the chunk's size in elements, ``"auto"`` (a sixteenth of
     the model, between 2**18 and 2**24 elements) for ``True``, ``None`` for a whole step."""

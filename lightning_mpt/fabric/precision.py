@@ -15,7 +15,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt._plugin import check_sharded, lbfgs_unsupported
-from lightning_mpt.core.config import MasterOptions
+from lightning_mpt.core.config import MasterOptions, SkipPolicy
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
@@ -63,6 +63,8 @@ class MPTPrecision(ModuleHooks, Precision):
         master_remainders: store bf16 masters as their 16 low bits between steps (see the Trainer plugin; by default
             for bf16 with chunks).
         masters: the options of the masters in one :class:`~lightning_mpt.MasterOptions` (see the Trainer plugin).
+        skips: ``max_consecutive_skips`` and ``skipped_steps_advance_schedulers`` in one
+            :class:`~lightning_mpt.SkipPolicy` (its ``retries`` must stay 0: retries are the Trainer's).
 
     Example:
         ```python
@@ -95,6 +97,7 @@ class MPTPrecision(ModuleHooks, Precision):
         chunked_step: Union[bool, int, None] = None,
         master_remainders: Optional[bool] = None,
         masters: Optional[MasterOptions] = None,
+        skips: Optional[SkipPolicy] = None,
     ) -> None:
         self._init_plugin(
             precision,
@@ -110,8 +113,16 @@ class MPTPrecision(ModuleHooks, Precision):
             chunked_step,
             master_remainders,
             masters,
+            0,
+            skips,
         )
-        _check_sharded(sharded, master_weights)
+        if self.overflow_retries:
+            raise ValueError(
+                f"MPTPrecision(skips=SkipPolicy(retries={self.overflow_retries})) under Fabric: a retry runs the "
+                "Trainer's training_step again on the same batch, and Fabric's loop is your own. Leave retries at 0 "
+                "(the step is skipped; precision.last_step_skipped says so, and your loop may run the batch again)."
+            )
+        _check_sharded(sharded, self.master_weights)
         if sharded:
             self._refuse_under_fsdp2()
         self.sharded = sharded
