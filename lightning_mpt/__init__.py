@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from lightning_mpt._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from lightning_mpt.core.config import MasterOptions, SkipPolicy
+    from lightning_mpt.core.config import Fp8Options, MasterOptions, SkipPolicy
     from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
     from lightning_mpt.core.scaler import DynamicLossScaler
     from lightning_mpt.precision import MPTPrecision, NonFiniteGradientError, StepRecord
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "DEFAULT_KEEP_FP32": "lightning_mpt.core.masters",
     "DynamicLossScaler": "lightning_mpt.core.scaler",
+    "Fp8Options": "lightning_mpt.core.config",
     "MasterOptions": "lightning_mpt.core.config",
     "SkipPolicy": "lightning_mpt.core.config",
     "MPTPrecision": "lightning_mpt.precision",
@@ -35,6 +36,7 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_KEEP_FP32",
     "DynamicLossScaler",
+    "Fp8Options",
     "MPTPrecision",
     "MasterOptions",
     "SkipPolicy",

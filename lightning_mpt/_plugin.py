@@ -22,6 +22,7 @@ from lightning_mpt._fp8_plugin import Float8Plugin
 from lightning_mpt._gradscaler import is_gradscaler_state, take_over
 from lightning_mpt.core.config import (
     LIGHTNING_NAMES,
+    Fp8Options,
     MasterOptions,
     SkipPolicy,
     check_arguments,
@@ -124,6 +125,14 @@ class MixedPrecisionPlugin(Float8Plugin):
         dtype, checked_scaler, kept = check_arguments(
             precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
         )
+        if isinstance(fp8, Fp8Options):
+            fp8, fp8_filter, fp8_emulate = _grouped(
+                "fp8",
+                fp8,
+                Fp8Options,
+                "Fp8Options('rowwise', emulate=True)",
+                (("fp8_filter", fp8_filter, None), ("fp8_emulate", fp8_emulate, False)),
+            )
         self._fp8 = check_fp8(fp8, fp8_filter, precision, fp8_emulate)
         self.precision = LIGHTNING_NAMES[precision]
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set from the module

@@ -83,8 +83,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
             ``skipped_steps_advance_schedulers``.
         fp8: run eligible ``Linear`` layers' matmuls in fp8 with torchao's float8 training (``bf16`` only; needs
             ``pip install lightning-mpt[fp8]``): ``True`` (torchao's default, tensorwise scaling), a recipe name
-            (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a ``torchao.float8.Float8LinearConfig``.
-            Layers whose dimensions are not multiples of 16 stay bf16. See docs/fp8.md.
+            (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``), a ``torchao.float8.Float8LinearConfig``, or
+            the fp8 options in one :class:`~lightning_mpt.Fp8Options` (``recipe``, ``filter``, ``emulate``) instead of
+            ``fp8_filter`` and ``fp8_emulate``. Layers whose dimensions are not multiples of 16 stay bf16. See
+            docs/fp8.md.
         fp8_filter: ``fn(module, fqn) -> bool``: convert only the eligible layers it accepts (e.g. keep a layer that
             saturates in bf16: ``lambda module, fqn: fqn != "head"``).
         masters: the options of the masters in one object, :class:`~lightning_mpt.MasterOptions` (``enabled``,

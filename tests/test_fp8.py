@@ -16,7 +16,7 @@ from models import TinyMLP, quiet_trainer, regression_data
 from tb_events import read_events
 from torch import nn
 
-from lightning_mpt import MPTPrecision
+from lightning_mpt import Fp8Options, MPTPrecision
 from lightning_mpt.callbacks import Float8Monitor
 from lightning_mpt.diagnostics.fp8 import cast_counts, role_values, saturation_bound, tensorwise_scale
 from lightning_mpt.report import build_report, format_text
@@ -105,6 +105,11 @@ def test_conversion_before_masters_filter_and_checkpoint_keys(tmp_path):
     model = TinyMLP(d_in=16, hidden=32, d_out=16)
     quiet_trainer(plugins=[kept], max_steps=1).fit(model, regression_data(d_in=16, d_out=16))
     assert [type(m).__name__ for m in (model.net[0], model.net[3])] == ["Linear", "Float8Linear"]
+    # the same options in one object
+    grouped = MPTPrecision("bf16", fp8=Fp8Options(filter=lambda module, fqn: fqn != "net.0", emulate=True))
+    model = TinyMLP(d_in=16, hidden=32, d_out=16)
+    quiet_trainer(plugins=[grouped], max_steps=1).fit(model, regression_data(d_in=16, d_out=16))
+    assert [type(m).__name__ for m in (model.net[0], model.net[3])] == ["Linear", "Float8Linear"]
 
 
 def test_bad_inputs_say_what_is_accepted(monkeypatch):
@@ -118,6 +123,10 @@ def test_bad_inputs_say_what_is_accepted(monkeypatch):
         MPTPrecision("bf16", fp8=True, fp8_filter="net.0")
     with pytest.raises(ValueError, match="fp8 compute, which is off"):
         MPTPrecision("bf16", fp8_emulate=True)
+    with pytest.raises(ValueError, match=r"fp8_emulate=...\): give these options once, in Fp8Options"):
+        MPTPrecision("bf16", fp8=Fp8Options(), fp8_emulate=True)
+    with pytest.raises(ValueError, match="unknown recipe"):
+        MPTPrecision("bf16", fp8=Fp8Options("blockwise"))
     with pytest.raises(RuntimeError, match="cpu device has no fp8 Tensor Cores.*fp8_emulate=True"):
         quiet_trainer(plugins=[MPTPrecision("bf16", fp8="rowwise")], max_steps=1).fit(
             TinyMLP(d_in=16, hidden=32, d_out=16), regression_data(d_in=16, d_out=16)

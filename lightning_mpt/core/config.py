@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional, Union
 
@@ -152,6 +153,32 @@ class SkipPolicy:
     max_consecutive: int = 50
     retries: int = 0
     advance_schedulers: bool = True
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """fp8 compute for the eligible ``Linear`` layers (torchao's float8 training): the plugins' fp8 options in one
+    object, given as ``fp8=Fp8Options(...)``.
+
+    Args:
+        recipe: ``True`` (torchao's default, tensorwise scaling), a recipe name (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise_with_gw_hp"``) or a ``torchao.float8.Float8LinearConfig`` (what ``fp8`` takes alone).
+        filter: ``fn(module, fqn) -> bool``: convert only the eligible layers it accepts (``fp8_filter``).
+        emulate: emulate the fp8 matmuls (CPU, GPUs without fp8 Tensor Cores): slow, for tests and debugging
+            (``fp8_emulate``).
+
+    Example:
+        ```python
+        from lightning_mpt import Fp8Options, MPTPrecision
+
+        plugin = MPTPrecision("bf16", fp8=Fp8Options("rowwise", filter=lambda module, fqn: fqn != "head", emulate=True))
+        assert plugin.fp8_config.emulate
+        ```
+    """
+
+    recipe: Any = True
+    filter: Optional[Callable[[Module, str], bool]] = None
+    emulate: bool = False
 
 
 def check_chunked_step(chunked_step: Any, master_weights: bool) -> Union[int, Literal["auto"], None]:

@@ -53,8 +53,8 @@ class MPTPrecision(ModuleHooks, Precision):
             so that FSDP2's fp32 shards are the masters, with no copy. Fabric converts a model before the strategy
             shards it, so the plugin cannot tell by itself.
         fp8: run eligible ``Linear`` layers' matmuls in fp8 with torchao (``bf16`` only): ``True``, a recipe name
-            (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a ``torchao.float8.Float8LinearConfig``;
-            see the Trainer plugin and docs/fp8.md. Not with ``sharded=True``.
+            (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``), a ``torchao.float8.Float8LinearConfig`` or
+            an :class:`~lightning_mpt.Fp8Options`; see the Trainer plugin and docs/fp8.md. Not with ``sharded=True``.
         fp8_filter: ``fn(module, fqn) -> bool``: convert only the eligible layers it accepts.
         fp8_emulate: emulate the fp8 matmuls (CPU, GPUs without fp8 Tensor Cores), never done silently.
         chunked_step: step the masters a chunk of parameters at a time (see the Trainer plugin and docs/memory.md;
