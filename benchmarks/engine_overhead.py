@@ -4,6 +4,7 @@
     python benchmarks/engine_overhead.py                        # deep_mlp (400 tensors), fp16 with a scaler
     python benchmarks/engine_overhead.py --steps 200 --threads 1
     python benchmarks/engine_overhead.py --parts                # also: where the time goes, method by method
+                                                                # (means: a round's first step lays out buffers)
     python benchmarks/engine_overhead.py --floor                # also: the tensor work alone, without bookkeeping
     python benchmarks/engine_overhead.py --device cuda          # the host time on a GPU (make gpu-check)
     python benchmarks/engine_overhead.py --convert 2000          # conversion time: 2000 and 8000 tensors
@@ -14,7 +15,8 @@ the same loop and subtracted from ``step``. The clock is this thread's CPU time 
 that other processes take from a shared machine does not count; with ``--threads 1``, the default, every op runs on
 this thread) and the wall clock on a GPU (``--clock`` chooses). Reported per phase: median and ``[min-max]`` over
 ``--rounds`` rounds of the per-round median over steps. The GradScaler baseline runs interleaved, one round each, and
-the last line is the ratio of the two per round.
+the last lines are the ratio of the two per round, then the same with ``optimizer.zero_grad()`` (set to ``None``)
+counted on both sides: the plugin's ``release`` drops the gradients before it, GradScaler leaves them to it.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def mpt_round(steps: int, depth: int, width: int, dtype: torch.dtype, device: to
     engine.convert(model)
     opt = Timed(model.parameters(), lr=1e-3)
     x, y = torch.randn(16, width, device=device), torch.randn(16, width, device=device)
-    times: dict[str, list[float]] = {"decide": [], "step (plugin)": [], "release": [], "total": []}
+    times: dict[str, list[float]] = {"decide": [], "step (plugin)": [], "release": [], "total": [], "zero_grad": []}
     for _ in range(steps):
         t0 = clock()
         engine.release_gradients(drop=True)
@@ -86,7 +88,9 @@ def mpt_round(steps: int, depth: int, width: int, dtype: torch.dtype, device: to
         engine.step(opt, pending)
         t4 = clock()
         del pending  # as in Lightning's loop: nothing holds a step's gradients past it (the buffer is then reused)
+        t5 = clock()
         opt.zero_grad()
+        times["zero_grad"].append(clock() - t5)
         times["release"].append(t1 - t0)
         times["decide"].append(t3 - t2)
         times["step (plugin)"].append(t4 - t3 - opt.spent)
@@ -128,7 +132,7 @@ def scaler_round(steps: int, depth: int, width: int, device: torch.device) -> di
     opt = Timed(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     x, y = torch.randn(16, width, device=device), torch.randn(16, width, device=device)
-    times: dict[str, list[float]] = {"unscale_+update": []}
+    times: dict[str, list[float]] = {"unscale_+update": [], "zero_grad (GradScaler)": []}
     for _ in range(steps):
         loss = nn.functional.mse_loss(model(x), y)
         scaler.scale(loss).backward()
@@ -141,6 +145,7 @@ def scaler_round(steps: int, depth: int, width: int, device: torch.device) -> di
         scaler.update()
         t3 = clock()
         opt.zero_grad()
+        times["zero_grad (GradScaler)"].append(clock() - t3)
         times["unscale_+update"].append((t1 - t0) + (t2 - t1 - opt.spent) + (t3 - t2))
     return times
 
@@ -240,6 +245,18 @@ def main() -> None:
     # per round (both measured on the same machine state, one right after the other): robust to a shared machine
     ratios = [total / scaler for total, scaler in zip(per_round["total"], per_round["unscale_+update"])]
     print(f"  {'total / GradScaler':18s} {statistics.median(ratios):7.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+    # with zero_grad(set_to_none=True) counted on both sides: the plugin's release drops the gradients first
+    with_zero = [
+        (total + zero) / (scaler + scaler_zero)
+        for total, zero, scaler, scaler_zero in zip(
+            per_round["total"],
+            per_round["zero_grad"],
+            per_round["unscale_+update"],
+            per_round["zero_grad (GradScaler)"],
+        )
+    ]
+    label = "with zero_grad"
+    print(f"  {label:18s} {statistics.median(with_zero):7.2f}x [{min(with_zero):.2f}-{max(with_zero):.2f}]")
     if parts:
         print("the masters' inner methods, ms per step (mean over every step of every round; x2: two calls a step)")
         for label, values in parts.items():

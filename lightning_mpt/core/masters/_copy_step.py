@@ -46,11 +46,10 @@ class CopyStep:
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """Round ``masters`` into their half parameters ``params``."""
         _write_halves(params, masters)
-        self.edits.written(params)
 
     def write_back(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """After a step: the stepped ``masters`` go back into storage, their half weights refreshed."""
-        self.write_halves(params, masters)
+        _write_halves(params, masters)
 
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         """Copy ``optimizer``'s half gradients into fp32 master gradients and unscale everything by ``1/scale``.

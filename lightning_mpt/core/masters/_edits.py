@@ -4,8 +4,6 @@ refresh undoing them. A half weight was edited when it differs from its master r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -121,11 +119,6 @@ class WeightEdits:
     first check, and again once the masters change or user code gave a weight other data (which is then compared as
     it is). A weight that cannot lie flat (its data of another format now) is compared on its own.
 
-    On a CPU the check is first a comparison of fingerprints (:func:`~lightning_mpt.core.masters._halves.fingerprints`,
-    two reductions per run of equal sizes) with those the weights had when they were last known equal to their masters
-    rounded: when the masters were written into them (:meth:`written`) or after a check (whose edits the masters
-    adopt). Only when one differs are the masters rounded and compared (:class:`FlatEdits`), which finds exactly which.
-
     Args:
         masters: parameter -> fp32 master, the owner's own dict (:meth:`invalidate` after a change).
         dtype: the half format of the weights.
@@ -147,24 +140,12 @@ class WeightEdits:
         self.chunk = chunk
         self._flat: Optional[list[tuple[HalfWeights, FlatEdits, list[Tensor]]]] = None
         self._where: dict[Tensor, int] = {}  # parameter -> its place in the flat weights, one device after another
-        # params' ids -> (their places, loose ones included after the flat ones; their places in the flat weights;
-        # the positions of the loose ones among them)
-        self._positions: dict[tuple[int, ...], tuple[Tensor, Optional[Tensor], list[int]]] = {}
-        # the flat weights' fingerprints when last known equal to their masters rounded (a CPU's flat weights only)
-        self._accepted: Optional[Tensor] = None
-        self._on_cpu = False  # whether the flat weights all lie on a CPU (set when laid out)
-        self._deferred: Optional[list[Tensor]] = None  # weights written inside batched(), fingerprinted at its end
+        self._positions: dict[tuple[int, ...], tuple[Tensor, list[int]]] = {}
 
     def invalidate(self) -> None:
         """The masters changed: the weights are laid flat again at the next check."""
         self._flat = None
         self._positions.clear()
-        self._accepted = None
-
-    def forget(self) -> None:
-        """Masters or weights were written by other means (a checkpoint loaded, a broadcast): the next check compares
-        the values."""
-        self._accepted = None
 
     def flat(self) -> list[tuple[HalfWeights, FlatEdits, list[Tensor]]]:
         """``(weights, their check, their masters in the layout's order)`` per device, laid out when first needed."""
@@ -179,88 +160,23 @@ class WeightEdits:
                 base = len(self._where)
                 self._where.update((p, base + i) for i, p in enumerate(halves.params))
                 self._flat.append((halves, FlatEdits(halves), [self.masters[p] for p in halves.params]))
-            self._on_cpu = all(halves.device.type == "cpu" for halves, _, _ in self._flat)
         return self._flat
-
-    def _fingerprints(self) -> Optional[Tensor]:
-        """The flat weights' fingerprints, ``(weights, 2)``; ``None`` unless they all lie on a CPU (elsewhere comparing
-        them would be a host sync of its own)."""
-        flat = self._flat
-        if not flat or not self._on_cpu:
-            return None
-        if len(flat) == 1:  # one device: no list to join
-            return flat[0][0].fingerprints()
-        return torch.cat([halves.fingerprints() for halves, _, _ in flat])
-
-    @contextmanager
-    def batched(self) -> Iterator[None]:
-        """Weights :meth:`written` inside are fingerprinted once, at the end: a chunked step writes a chunk at a
-        time, and nothing else runs between its writes that could edit them."""
-        self._deferred = []
-        try:
-            yield
-        finally:
-            params, self._deferred = self._deferred, None
-            if params:
-                self.written(params)
-
-    def written(self, params: list[Tensor]) -> None:
-        """The masters of ``params`` were just rounded into their weights: what the weights are now is what the next
-        check expects of them."""
-        if self._deferred is not None:
-            self._deferred.extend(params)
-            return
-        if self._accepted is None or self._flat is None:
-            return  # nothing known: the next check compares the values
-        now = self._fingerprints()
-        if now is None:
-            return
-        inside = self._places(params)[1]
-        if inside is None:  # the usual case: every weight (one optimizer)
-            self._accepted = now
-        else:
-            self._accepted[inside] = now[inside]
-
-    def _places(self, params: list[Tensor]) -> tuple[Tensor, Optional[Tensor], list[int]]:
-        """For ``params``: their places (the loose ones after the flat weights), the places of those among the flat
-        weights (``None``: every flat weight is one of them), and the positions of the loose ones."""
-        key = tuple(map(id, params))
-        places = self._positions.get(key)
-        if places is None:
-            n = len(self._where)
-            loose = [i for i, p in enumerate(params) if p not in self._where]
-            at = [self._where[p] if p in self._where else n + loose.index(i) for i, p in enumerate(params)]
-            device = self._flat[0][0].device if self._flat else params[0].device
-            inside = sorted(i for i in at if i < n)
-            places = self._positions[key] = (
-                torch.tensor(at, dtype=torch.long, device=device),
-                None if inside == list(range(n)) else torch.tensor(inside, dtype=torch.long),
-                loose,
-            )
-        return places
 
     def flags(self, params: list[Tensor]) -> Optional[Tensor]:
         """Whether the half weight of each of ``params`` (each with a master) differs from its master rounded, on the
-        device; ``None`` when none does and a CPU knows it without a flag per weight. The masters are to adopt the
-        edits found (the next check expects the weights as they are)."""
-        if self._flat is not None and any(halves.moved() for halves, _, _ in self._flat):  # data replaced
+        device; ``None`` when none does and a CPU knows it without a flag per weight."""
+        if any(halves.moved() for halves, _, _ in self.flat()):  # data replaced since it was laid flat
             self.invalidate()
         flat = self.flat()
-        index, inside, loose = self._places(params)
-        now = self._fingerprints()
-        if now is not None:
-            accepted = self._accepted
-            if inside is None:
-                if accepted is not None and not loose and torch.equal(now, accepted):
-                    return None  # the usual case on a CPU: nothing changed since the weights were last known right
-                self._accepted = now
-            else:
-                if accepted is not None and not loose and torch.equal(now[inside], accepted[inside]):
-                    return None
-                if accepted is None:  # the others are unknown: compared at their next check
-                    accepted = now + 1
-                accepted[inside] = now[inside]
-                self._accepted = accepted
+        key = tuple(map(id, params))
+        positions = self._positions.get(key)
+        if positions is None:
+            n = len(self._where)
+            loose = [i for i, p in enumerate(params) if p not in self._where]
+            at = [self._where[p] if p in self._where else n + loose.index(i) for i, p in enumerate(params)]
+            device = flat[0][0].device if flat else params[0].device
+            positions = self._positions[key] = (torch.tensor(at, dtype=torch.long, device=device), loose)
+        index, loose = positions
         parts = [edits.flags(masters) for _, edits, masters in flat]
         if not loose and all(part is None for part in parts):
             return None

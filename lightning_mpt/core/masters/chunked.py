@@ -278,30 +278,29 @@ class ChunkedMasters(CopyMasters):
         self.groups.swap(optimizer, True)
         groups = [(g["params"], list(g["params"])) for g in optimizer.param_groups]
         own = {id(p) for p in grads.own_params}
-        with self.edits.batched():  # the weights are fingerprinted once, after the last chunk
-            try:
-                for n, (params, masters) in enumerate(chunks):
-                    self.wake(params)
-                    fp32 = self._chunk_gradients(grads, params, masters)
-                    stepped = {id(m) for m in masters} | own if n == 0 else {id(m) for m in masters}
-                    for slots, full in groups:  # in place: the group's list object stays the optimizer's
-                        slots[:] = [m for m in full if id(m) in stepped]
-                    grads.entered = True
-                    try:
-                        yield
-                    finally:
-                        for slots, full in groups:
-                            slots[:] = full
-                        for m in masters:
-                            m.grad = None
-                        grads.entered = False
-                        self.write_back(params, masters)
-                        del fp32
-                self._last[optimizer] = grads
-            finally:
-                for slots, full in groups:
-                    slots[:] = full
-                self.groups.swap(optimizer, False)
+        try:
+            for n, (params, masters) in enumerate(chunks):
+                self.wake(params)
+                fp32 = self._chunk_gradients(grads, params, masters)
+                stepped = {id(m) for m in masters} | own if n == 0 else {id(m) for m in masters}
+                for slots, full in groups:  # in place: the group's list object stays the optimizer's
+                    slots[:] = [m for m in full if id(m) in stepped]
+                grads.entered = True
+                try:
+                    yield
+                finally:
+                    for slots, full in groups:
+                        slots[:] = full
+                    for m in masters:
+                        m.grad = None
+                    grads.entered = False
+                    self.write_back(params, masters)
+                    del fp32
+            self._last[optimizer] = grads
+        finally:
+            for slots, full in groups:
+                slots[:] = full
+            self.groups.swap(optimizer, False)
 
     def step_chunks(self, grads: ChunkedGrads) -> list[tuple[list[Tensor], list[Tensor]]]:
         """The chunks that a step hands the optimizer in turn, ``(parameters, masters)``: about ``grads.chunk``

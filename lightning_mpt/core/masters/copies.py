@@ -130,7 +130,6 @@ class CopyMasters(CopyStep):
         """Load ``value`` into the master of ``param`` exactly; returns the half value the module should load for
         ``param`` in place of ``value``'s own rounding (``None``: that rounding)."""
         self.masters[param].copy_(value)
-        self.edits.forget()  # the module loads the weight: compared with its master at the next check
         return None
 
     def name_of(self, param: Tensor) -> str:
@@ -155,7 +154,6 @@ class CopyMasters(CopyStep):
         DDP made them equal already and a forward's graph may hold them)."""
         if not distributed() or not self.masters:
             return
-        self.edits.forget()  # the weights may be another process's too (DDP's broadcast)
         with torch.no_grad():
             for group in _by_device(list(self.masters.values())).values():
                 flat = torch.cat([m.reshape(-1) for m in group])
