@@ -49,18 +49,21 @@ def fingerprints(runs: Sequence[Tensor]) -> Tensor:
         assert torch.equal(fingerprints([w.view(torch.int64)]) != before, torch.tensor([[False, True], [False, False]]))
         ```
     """
-    parts = []
+    sums, placed = [], []
     for words in runs:  # a loop, not a call per run: a step's Python stays a few calls whatever the model
-        placed = torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
-        ramp = _ramp(words.device)
+        ramp, cpu, part = _ramp(words.device), words.device.type == "cpu", None
         for start in range(0, words.shape[1], PERIOD):  # a period at a time: 2-D products, fast on every device
             block = words[:, start : start + PERIOD]
             weights = ramp[: block.shape[1]]
             # the CPU multiplies integers without a temporary; elsewhere integer matmul may be missing, and the
             # product is a chunk's size at most
-            placed += block @ weights if words.device.type == "cpu" else (block * weights).sum(1)
-        parts.append(torch.stack((words.sum(1), placed), 1))
-    return torch.cat(parts) if parts else torch.zeros(0, 2, dtype=torch.int64)
+            product = block @ weights if cpu else (block * weights).sum(1)
+            part = product if part is None else part + product
+        sums.append(words.sum(1))
+        placed.append(torch.zeros_like(sums[-1]) if part is None else part)  # empty tensors: nothing to weigh
+    if not sums:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    return torch.stack((torch.cat(sums), torch.cat(placed)), 1)
 
 
 @cache
