@@ -259,3 +259,7 @@ def test_the_masters_options_in_one_object_or_as_single_arguments() -> None:
             plugin("bf16", masters={"chunk": 4})
         with pytest.raises(ValueError, match="needs precision='bf16'"):
             plugin("fp16", masters=MasterOptions(remainders=True))
+    # Fabric's sharded=True reads the options given in the object too: no masters is refused as master_weights=False is
+    for masters in ({"master_weights": False}, {"masters": MasterOptions(enabled=False)}):
+        with pytest.raises(ValueError, match="master_weights=False\\) is not supported under FSDP2"):
+            FabricMPTPrecision("bf16", sharded=True, **masters)
