@@ -222,7 +222,6 @@ class HalfWeights:
         bits = self.flat.view(torch.int16)
         # per chunk, each run's weights as rows of 8-byte words: views made once, for the fingerprints
         self._words = [[self._run_words(bits, run) for run in c.runs] for c in self.layout.chunks]
-        self._all_words = [words for chunk in self._words for words in chunk]
 
     def _run_words(self, bits: Tensor, run: Run) -> Tensor:
         if not run.numel:  # empty tensors: no words (a view would have no stride to read words by)
@@ -237,9 +236,9 @@ class HalfWeights:
     def device(self) -> torch.device:
         return self.flat.device
 
-    def fingerprints(self, k: Optional[int] = None) -> Tensor:
-        """The :func:`fingerprints` of every weight, or of chunk ``k``'s, in the layout's order: ``(weights, 2)``."""
-        return fingerprints(self._all_words if k is None else self._words[k])
+    def fingerprints(self, k: int) -> Tensor:
+        """The :func:`fingerprints` of chunk ``k``'s weights, in the layout's order: ``(weights, 2)``."""
+        return fingerprints(self._words[k])
 
     def pointer(self, position: int) -> int:
         """The data pointer of the parameter at ``position``'s view."""
