@@ -119,12 +119,13 @@ def _adapt_weight_averaging(callback: Any, base: type, masters: Masters) -> Adap
 
 def _hook_on_masters(callback: Any, hook: Callable[..., None], masters: Masters, name: str) -> Callable[..., None]:
     """``hook`` of ``callback`` run on a view of the masters in place of the LightningModule."""
-    swaps, writes = name in _WA_SWAPS, name not in _WA_READS
+    writes = name not in _WA_READS
 
     def on_masters(trainer: Any, pl_module: Module, *args: Any, **kwargs: Any) -> None:
-        if swaps and isinstance(masters, CopyMasters):
-            # an in-place edit of the half weights since the last step (or during validation) goes into the masters,
-            # where the swap moves it, rather than being overwritten by the refresh below
+        if isinstance(masters, CopyMasters):
+            # an in-place edit of the half weights since the last step (a clamp in `optimizer_step` or in a callback
+            # before this one, or during validation) goes into the masters first: the average reads them, a swap
+            # moves them, and the refresh below would overwrite the edit (one check, one host sync)
             masters.absorb_all_edits()
         hook(callback, trainer, MasterView(pl_module, masters), *args, **kwargs)
         if writes:
