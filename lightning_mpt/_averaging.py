@@ -93,6 +93,7 @@ def _adapt_swa(callback: Any, masters: Masters) -> Adapted:
 
     # SWA only calls .parameters() on what it is given: a view of the masters stands in for the module
     def update_parameters(average_model: Any, model: Module, n_averaged: Tensor, avg_fn: Any) -> None:
+        _absorb_edits(masters)
         view: Any = MasterView(model, masters)
         StochasticWeightAveraging.update_parameters(average_model, view, n_averaged, avg_fn)
 
@@ -122,11 +123,7 @@ def _hook_on_masters(callback: Any, hook: Callable[..., None], masters: Masters,
     writes = name not in _WA_READS
 
     def on_masters(trainer: Any, pl_module: Module, *args: Any, **kwargs: Any) -> None:
-        if isinstance(masters, CopyMasters):
-            # an in-place edit of the half weights since the last step (a clamp in `optimizer_step` or in a callback
-            # before this one, or during validation) goes into the masters first: the average reads them, a swap
-            # moves them, and the refresh below would overwrite the edit (one check, one host sync)
-            masters.absorb_all_edits()
+        _absorb_edits(masters)
         hook(callback, trainer, MasterView(pl_module, masters), *args, **kwargs)
         if writes:
             _refresh(masters)
@@ -164,6 +161,15 @@ class MasterView:
 
     def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
         return self.module.buffers(recurse)
+
+
+def _absorb_edits(masters: Masters) -> None:
+    """Take an in-place edit of the half weights since the last step (a clamp in ``on_train_batch_end``, in an
+    overridden ``optimizer_step`` or in a callback before the averaging one, or one during validation) into the masters
+    before the average reads them or a swap moves them, and before a refresh would overwrite it: one check of every
+    weight, one host sync (FSDP2's shards are the weights: nothing to take)."""
+    if isinstance(masters, CopyMasters):
+        masters.absorb_all_edits()
 
 
 def _refresh(masters: Masters) -> None:

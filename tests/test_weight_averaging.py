@@ -246,6 +246,20 @@ def test_an_edit_after_the_step_reaches_the_average_as_under_32_true(precision):
         torch.testing.assert_close(got, reference, rtol=0, atol=2e-4)
 
 
+def test_swa_averages_the_weights_a_batch_end_clamp_left_as_under_32_true():
+    """SWA updates its average at the epoch's end, after the module's ``on_train_batch_end`` clamped the last batch's
+    weights: it averages the clamped ones, as "32-true" does (fp32 copies took that clamp only at the next step)."""
+
+    def run(**kwargs: Any) -> Tensor:
+        torch.manual_seed(0)
+        model = Clamped(optimizer="sgd", lr=0.05)
+        swa = L.pytorch.callbacks.StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+        quiet_trainer(max_epochs=4, callbacks=[swa], **kwargs).fit(model, regression_data())
+        return model.net[0].weight.detach().float()
+
+    torch.testing.assert_close(run(plugins=[MPTPrecision("fp16")]), run(precision="32-true"), rtol=0, atol=2e-4)
+
+
 def test_checkpoint_holds_fp32_average_and_masters_and_resume_continues_the_ema_exactly(tmp_path: Path):
     data = token_pairs()
     param_names = [n for n, _ in EdgeNet().named_parameters()]  # the tied weight once, under its first name
