@@ -650,3 +650,26 @@ def test_a_module_without_an_optimizer_fits(precision):
     with pytest.warns(UserWarning, match="`LightningModule.configure_optimizers` returned `None`"):
         trainer.fit(NoOptimizer(), regression_data())
     assert trainer.global_step == 2
+
+
+class ReadsItsStateInValidation(TinyMLP):
+    """Takes its state_dict and reads a master inside the validation loop (under ``torch.inference_mode``), as
+    Lightning's own restore test does: the plugin's first edit check then runs there."""
+
+    def on_validation_start(self) -> None:
+        self.state_dict()
+        self.trainer.precision_plugin.master_of(self.net[0].weight)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_validation_before_training_leaves_trainable_weights(precision):
+    """What the plugin lays out or wakes during a validation loop outlives it: no inference tensor may be among it, or
+    the teardown's check and the next fit's steps fail ("Inplace update to inference tensor outside InferenceMode")."""
+    torch.manual_seed(0)
+    model = ReadsItsStateInValidation()
+    plugin = MPTPrecision(precision)
+    quiet_trainer(plugins=[plugin]).validate(model, regression_data())
+    assert not any(p.is_inference() for p in model.parameters())
+    before = [p.detach().float().clone() for p in model.parameters()]
+    quiet_trainer(max_steps=2, plugins=[MPTPrecision(precision)]).fit(model, regression_data(), regression_data())
+    assert all(not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters()))

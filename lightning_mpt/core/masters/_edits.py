@@ -155,11 +155,14 @@ class WeightEdits:
                 if p.dtype == self.dtype and p.shape == m.shape and p.device == m.device:
                     by_device.setdefault(p.device, []).append(p)
             self._flat, self._where = [], {}
-            for params in by_device.values():
-                halves = HalfWeights(params, self.chunk)
-                base = len(self._where)
-                self._where.update((p, base + i) for i, p in enumerate(halves.params))
-                self._flat.append((halves, FlatEdits(halves), [self.masters[p] for p in halves.params]))
+            # the first check may come inside a validation loop (a state_dict() there): the weights' new buffer
+            # outlives it, and an inference tensor could never be trained
+            with torch.inference_mode(False):
+                for params in by_device.values():
+                    halves = HalfWeights(params, self.chunk)
+                    base = len(self._where)
+                    self._where.update((p, base + i) for i, p in enumerate(halves.params))
+                    self._flat.append((halves, FlatEdits(halves), [self.masters[p] for p in halves.params]))
         return self._flat
 
     def flags(self, params: list[Tensor]) -> Optional[Tensor]:

@@ -110,6 +110,9 @@ class RemainderMasters(ChunkedMasters):
         with torch.no_grad():  # the module moved: the master from where its weight was
             return join(store.halves.view(i), store.rems[i]).to(p.device)
 
+    # it may run inside a validation loop (a state_dict() there): the buffers outlive it, and an inference tensor
+    # could never be trained
+    @torch.inference_mode(False)
     def _lay_out(self) -> None:
         """Lay the weights and remainders out flat, per device, from the masters' values (also after masters were
         added, or weights moved or given other data)."""
@@ -273,6 +276,7 @@ class RemainderMasters(ChunkedMasters):
         self._edited = None
         return [self.name_of(p) for p, e in zip(self._edited_params, edited) if e]
 
+    @torch.inference_mode(False)  # from a state_dict() inside a validation loop: the state it writes outlives it
     def absorb_all_edits(self) -> list[str]:
         self._ensure_layout()
         self._sleep_all()
@@ -298,6 +302,7 @@ class RemainderMasters(ChunkedMasters):
         self._sleep_all()
 
     # ------------------------------------------------------------------ reading and writing the masters
+    @torch.inference_mode(False)  # a master woken inside a validation loop is stepped after it
     def master_of(self, param: Tensor) -> Tensor:
         """The fp32 master of ``param``: while its chunk is awake (a step), the tensor the optimizer steps; else woken
         into a tensor of its own until the next forward, which a step meanwhile updates (later steps may store the
