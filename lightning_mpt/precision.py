@@ -290,7 +290,10 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         retries = self.overflow_retries if automatic else 0
         before = _retries.TryState(model) if retries else None  # what a discarded try logs is taken back
         closure_result = closure()
-        if closure_result is None and automatic:  # training_step returned None: no backward, nothing to step
+        # training_step returned None, or an overridden optimizer_step ran the closure itself and steps without one:
+        # with a scaler Lightning's MixedPrecision takes no step then; without one (bf16's chunks) "bf16-mixed" lets
+        # the optimizer step whatever gradients there are
+        if closure_result is None and automatic and self.scaler is not None:
             after()
             return None
         pending = self._engine.decide(optimizer)

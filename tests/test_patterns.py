@@ -774,3 +774,43 @@ def test_a_parameter_without_gradient_is_stepped_as_under_lightnings_own_precisi
     ours = run(MPTPrecision("fp16", **plugin_kwargs))
     assert ours.moved == expected
     assert torch.allclose(ours.branch.weight, reference.branch.weight, rtol=1e-3, atol=1e-4)
+
+
+class StepsEveryOtherBatch(L.LightningModule):
+    """Lightning's documented override: ``optimizer_step`` runs the closure itself, then steps without it, every other
+    batch (the wrapper hands the plugin a closure that does nothing and returns ``None``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer_closure()
+        if batch_idx % 2 == 0:
+            optimizer.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("chunked", [None, False])
+def test_a_step_without_the_closure_after_running_it_steps_as_under_32_true(chunked):
+    """bf16's chunked default took no step when the closure it was handed returned ``None`` (as fp16's
+    ``MixedPrecision`` does, where Lightning's closure returning ``None`` means no backward); "bf16-mixed" lets the
+    optimizer step, and so does the plugin now."""
+
+    def run(**kwargs: Any) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = StepsEveryOtherBatch()
+        quiet_trainer(max_epochs=1, **kwargs).fit(model, regression_data(n=64))
+        return snapshot(model)
+
+    start = run(max_steps=0)
+    ref = run(precision="32-true")
+    got = run(plugins=[MPTPrecision("bf16", chunked_step=chunked)])
+    assert moved(start, ref) > 0
+    assert moved(ref, got) < 0.1 * moved(start, ref)  # bf16's rounding and compute aside, the same steps
