@@ -101,17 +101,17 @@ def mpt_round(steps: int, depth: int, width: int, dtype: torch.dtype, device: to
 
 def timed_parts() -> dict[str, list[float]]:
     """Time the masters' inner methods by wrapping them (``--parts``): seconds of each call, per method."""
-    from lightning_mpt.core.masters import _copy_step, _edits, _groups
+    from lightning_mpt.core.masters import _copy_step, _edits, _groups, copies
 
     wrapped = [
-        (_copy_step.CopyStep, "collect", "collect (which gradients)"),
-        (_copy_step.CopyStep, "_to_fp32", "copy to fp32 (all)"),
+        (_copy_step.WholeStep, "collect", "collect (which gradients)"),
+        (_copy_step.WholeStep, "_to_fp32", "copy to fp32 (all)"),
         (_edits.WeightEdits, "flags", "edit check"),
         (_copy_step, "_unscale_", "unscale"),
-        (_copy_step.CopyStep, "sync_edits", "sync_edits"),
+        (_copy_step.WholeStep, "sync_edits", "sync_edits"),
         (_groups.GroupSwap, "swap", "swap (x2)"),
-        (_copy_step.CopyStep, "write_back", "write back"),
-        (_copy_step.CopyStep, "release", "release (x2)"),
+        (copies.CopyMasters, "write_back", "write back"),
+        (_copy_step.WholeStep, "release", "release (x2)"),
     ]
     spent: dict[str, list[float]] = {label: [] for _, _, label in wrapped}
     for owner, name, label in wrapped:

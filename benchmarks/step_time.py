@@ -657,7 +657,7 @@ PLUGIN_METHODS = (  # labelled in profiles when they exist (names may change as 
     ("lightning_mpt.core.masters.remainders", "RemainderMasters", "prepare"),
     ("lightning_mpt.core.masters.remainders", "RemainderMasters", "wake"),
     ("lightning_mpt.core.masters.remainders", "RemainderMasters", "write_back"),
-    ("lightning_mpt.core.masters.chunked", "ChunkedMasters", "steps"),
+    ("lightning_mpt.core.masters.chunked", "ChunkedStep", "steps"),
     ("lightning_mpt.precision", "MPTPrecision", "pre_backward"),
     ("lightning_mpt.core.engine", "MixedPrecisionEngine", "_sync"),  # the step's one host sync
     ("torch.amp.grad_scaler", "GradScaler", "unscale_"),
@@ -832,7 +832,7 @@ def profile_markdown(w: str, profiles: list[Profile], top: int, cuda: bool) -> s
         " is `Optimizer.step` without what the closure runs inside it (forward, backward, zero_grad and the"
         " plugin's labelled methods, not Lightning's own closure bookkeeping); `CopyMasters.prepare` copies"
         " and unscales the gradients, `CopyMasters.exit` refreshes the half weights; with bf16's remainders"
-        " `RemainderMasters.prepare` checks for edits, `ChunkedMasters.steps` runs the chunks, `.wake` rebuilds"
+        " `RemainderMasters.prepare` checks for edits, `ChunkedStep.steps` runs the chunks, `.wake` rebuilds"
         " a chunk's fp32 masters and `.write_back` splits them back into weights and remainders.",
         "",
         "| phase | " + " | ".join(p.precision for p in profiles) + " |",

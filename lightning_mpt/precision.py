@@ -28,7 +28,7 @@ from lightning_mpt._plugin import MixedPrecisionPlugin, lbfgs_unsupported, suppo
 from lightning_mpt._pretrained import SavedAsMasters
 from lightning_mpt.core.config import MasterOptions, SkipPolicy
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, is_fully_sharded
-from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
+from lightning_mpt.core.masters.chunked import ChunkedGrads
 from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.core.steps import NonFiniteGradientError, StepRecord
@@ -280,7 +280,7 @@ class MPTPrecision(MixedPrecisionPlugin, Precision):  # type: ignore[misc]
         optimizer = unwrap(optimizer)
         automatic = getattr(model, "automatic_optimization", False)
         after = partial(_compat.after_closure, self, model, optimizer)  # on_before_optimizer_step, then clipping
-        chunked = isinstance(self._engine.masters, ChunkedMasters) and self._engine.masters.in_chunks(optimizer)
+        chunked = isinstance(self._engine.masters, CopyMasters) and self._engine.masters.in_chunks(optimizer)
         if self.scaler is None and (automatic or isinstance(optimizer, LBFGS)) and not chunked:
             # as Lightning without a scaler: the optimizer runs the closure (LBFGS re-evaluates it)
             return self._engine.step_in_closure(optimizer, closure, after, **kwargs)

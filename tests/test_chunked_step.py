@@ -19,7 +19,7 @@ from models import InjectInf, quiet_trainer, regression_data
 from torch import nn
 
 from lightning_mpt import MPTPrecision
-from lightning_mpt.core.masters.chunked import ChunkedMasters
+from lightning_mpt.core.masters.chunked import ChunkedStep
 
 OPTIMIZERS = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
@@ -102,7 +102,7 @@ def _assert_same_weights(a: nn.Module, b: nn.Module) -> None:
 def test_chunks_step_the_masters_of_a_whole_step(precision: str, optimizer: str, clip: Any) -> None:
     whole, _ = _fit(precision, False, optimizer, clip)
     chunked, plugin = _fit(precision, 600, optimizer, clip)
-    assert isinstance(plugin._engine.masters, ChunkedMasters)
+    assert isinstance(plugin._engine.masters.stepper, ChunkedStep)
     _assert_same_weights(whole, chunked)
     # the whole step steps every trainable tensor at once; the chunks of ~600 elements in two calls
     trainable = sum(p.numel() for p in {id(p): p for p in whole.parameters() if p.requires_grad}.values())

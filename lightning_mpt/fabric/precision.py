@@ -17,7 +17,8 @@ from torch.optim import LBFGS, Optimizer
 from lightning_mpt._plugin import check_sharded, lbfgs_unsupported
 from lightning_mpt.core.config import MasterOptions, SkipPolicy
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
-from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedMasters
+from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedStep
+from lightning_mpt.core.masters.copies import CopyMasters
 from lightning_mpt.core.scaler import DynamicLossScaler
 from lightning_mpt.fabric._setup import ModuleHooks, ModuleSetUp
 
@@ -167,9 +168,10 @@ class MPTPrecision(ModuleHooks, Precision):
         """
         optimizer = self._setup.adopt(optimizer)
         masters = self._engine.masters
-        if self._given.chunk is None and isinstance(masters, ChunkedMasters) and not self._engine.decided(optimizer):
+        stepper = masters.stepper if isinstance(masters, CopyMasters) else None
+        if self._given.chunk is None and isinstance(stepper, ChunkedStep) and not self._engine.decided(optimizer):
             # the chunks are the format's default, not asked for: this step is whole, its fp32 gradients on the masters
-            masters.whole_next.add(optimizer)
+            stepper.whole_next.add(optimizer)
             self._say_whole_for_clipping()
         pending = self._engine.decide(optimizer)
         if isinstance(pending.grads, ChunkedGrads):

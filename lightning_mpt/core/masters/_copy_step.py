@@ -1,6 +1,7 @@
 """The gradients' way through a step with fp32 master copies: half and scaled after the backward, fp32 and unscaled
-on the masters for the optimizer, released (or scaled again) before the next forward. :class:`CopyStep` holds the
-step's verbs of :class:`~lightning_mpt.core.masters.copies.CopyMasters`."""
+on the masters for the optimizer, released (or scaled again) before the next forward. :class:`WholeStep` is the step of
+:class:`~lightning_mpt.core.masters.copies.CopyMasters` taken whole (the chunked step,
+:class:`~lightning_mpt.core.masters.chunked.ChunkedStep`, extends it)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Generator, Iterator
 from itertools import repeat
 from operator import attrgetter, is_, is_not
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
@@ -17,39 +18,57 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, whole_step
-from lightning_mpt.core.masters._edits import WeightEdits
 from lightning_mpt.core.masters._groups import GroupPlan, GroupSwap
+
+if TYPE_CHECKING:
+    from lightning_mpt.core.masters.copies import CopyMasters
 
 _DTYPE, _GRAD = attrgetter("dtype"), attrgetter("grad")
 _SPARSE = "MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False)."
 
 
-class CopyStep:
-    """The step's verbs of the copy masters: :meth:`prepare`, :meth:`enter`, :meth:`exit`, :meth:`discard`,
-    :meth:`rescale`, :meth:`release`, :meth:`accumulate_in_fp32` (see :class:`~lightning_mpt.core.masters.Masters`)."""
+class WholeStep:
+    """The step of fp32 master copies taken whole: the verbs :meth:`prepare`, :meth:`enter`, :meth:`exit`,
+    :meth:`steps`, :meth:`discard`, :meth:`rescale`, :meth:`release` and :meth:`accumulate_in_fp32` of
+    :class:`~lightning_mpt.core.masters.Masters`, for the masters that own it, which store the masters and write the
+    half weights (:meth:`CopyMasters.write_back <lightning_mpt.core.masters.copies.CopyMasters.write_back>`).
 
-    dtype: torch.dtype
-    enabled: bool
-    masters: dict[Tensor, Tensor]
-    converted: dict[Tensor, None]
-    groups: GroupSwap
-    edits: WeightEdits  # the check for half weights edited in place
-    _kept: list[Gradients]  # steps whose masters keep their fp32 gradients until the next forward
-    # parameter -> zeros given to it as its gradient, standing for none until written into: their version then, or
-    # None where only a backward's accumulation counts (:meth:`accumulate_in_fp32`)
-    _zeros: dict[Tensor, tuple[Tensor, Optional[int]]]
-    _accumulated: dict[Tensor, RemovableHandle]  # the hooks that see a backward accumulate into a parameter
+    Args:
+        owner: the masters this step belongs to (their ``masters``, ``groups``, ``add_master``, ``check_edits``,
+            ``write_back``, ``enter`` and ``exit``).
 
-    def add_master(self, param: Tensor, master: Tensor) -> None:
-        raise NotImplementedError
+    Example:
+        ```python
+        from lightning_mpt.core.masters.copies import CopyMasters
 
-    def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
-        """Round ``masters`` into their half parameters ``params``."""
-        _write_halves(params, masters)
+        masters = CopyMasters(torch.float16)  # builds its WholeStep
+        assert isinstance(masters.stepper, WholeStep) and masters.stepper.owner is masters
+        ```
+    """
 
-    def write_back(self, params: list[Tensor], masters: list[Tensor]) -> None:
-        """After a step: the stepped ``masters`` go back into storage, their half weights refreshed."""
-        _write_halves(params, masters)
+    def __init__(self, owner: CopyMasters) -> None:
+        self.owner = owner
+        self._kept: list[Gradients] = []  # steps whose masters keep their fp32 gradients until the next forward
+        # parameter -> zeros given to it as its gradient, standing for none until written into: their version then,
+        # or None where only a backward's accumulation counts (:meth:`accumulate_in_fp32`)
+        self._zeros: dict[Tensor, tuple[Tensor, Optional[int]]] = {}
+        self._accumulated: dict[Tensor, RemovableHandle] = {}  # the hooks that see a backward accumulate into a param
+
+    @property
+    def groups(self) -> GroupSwap:
+        return self.owner.groups
+
+    def in_chunks(self, optimizer: Optimizer) -> bool:
+        """A whole step is never chunked."""
+        return False
+
+    def reset(self) -> None:
+        """The masters were given back to the module: forget the kept gradients, zeros and hooks."""
+        self._kept.clear()
+        self._zeros.clear()
+        for handle in self._accumulated.values():
+            handle.remove()
+        self._accumulated.clear()
 
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         """Copy ``optimizer``'s half gradients into fp32 master gradients and unscale everything by ``1/scale``.
@@ -63,7 +82,7 @@ class CopyStep:
         for start, stop in _chunks(out.params):
             self._to_fp32(out, halves, start, stop, unscale)
         if check_edits:
-            self.check_edits(out)
+            self.owner.check_edits(out)
         unscale += [p.grad for p in out.own_params if p.grad is not None]
         out.found_inf = _unscale_(unscale, 1.0 / scale, plan.device)
         if not _compat.GRAD_DTYPE and out.on_params:
@@ -73,14 +92,6 @@ class CopyStep:
             out.master_versions = [_compat.version(g) for g in out.master_grads]
         return out
 
-    def check_edits(self, out: Gradients) -> None:
-        """Flag the half weights of ``out.params`` that user code edited since their masters were last written:
-        ``out.edited`` one flag on the device, ``out.edit_flags`` one per parameter (``None``: none was)."""
-        flags = self.edits.flags(out.params) if out.params else None
-        if flags is not None:
-            out.edit_flags = flags
-            out.edited = flags.any().reshape(1)
-
     def collect(self, optimizer: Optimizer, out: Gradients) -> tuple[GroupPlan, list[Tensor]]:
         """Put the parameters of ``optimizer`` that have a gradient into ``out`` (a master whose parameter has none
         gets none either, so the optimizer leaves it alone); a frozen one that has one now gets its master. Returns the
@@ -88,11 +99,11 @@ class CopyStep:
         if self._zeros:
             self.drop_unused_zeros()
         plan = self.groups.plan(optimizer)
-        if plan.frozen and self.enabled:
+        if plan.frozen and self.owner.enabled:
             unfrozen = [p for p in plan.frozen if p.grad is not None]
             if unfrozen:  # frozen at conversion, trainable now: its master starts from its half value
                 for p in unfrozen:
-                    self.add_master(p, p.detach().float())
+                    self.owner.add_master(p, p.detach().float())
                 plan = self.groups.plan(optimizer)
         halves = list(map(_GRAD, plan.params))
         if all(map(is_not, halves, repeat(None))):  # the usual case: every one has one (sparse refused at the copy)
@@ -217,12 +228,12 @@ class CopyStep:
         else:
             for m in grads.masters:
                 m.grad = None
-        self.write_back(grads.params, grads.masters)
+        self.owner.write_back(grads.params, grads.masters)
         grads.entered = False
 
     def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
         """Hand ``optimizer`` the masters for one whole step (the caller steps once) and take them back."""
-        return whole_step(self, optimizer, grads)
+        return whole_step(self.owner, optimizer, grads)
 
     def accumulate_in_fp32(self, sync: bool) -> None:
         """Before a backward: give the half parameters fp32 gradients for autograd to accumulate into (zeros at the
@@ -236,7 +247,7 @@ class CopyStep:
         """
         if sync:
             self.drop_unused_zeros()
-        for p, m in self.masters.items():
+        for p, m in self.owner.masters.items():
             if not p.requires_grad:
                 continue
             g = p.grad
@@ -344,7 +355,7 @@ def _chunks(params: list[Tensor], budget: int = 2**24) -> Iterator[tuple[int, in
 
 
 def _release(grads: Gradients, drop: bool) -> None:
-    """:meth:`CopyStep.release` of one step's gradients."""
+    """:meth:`WholeStep.release` of one step's gradients."""
     for p, m, mg in zip(grads.params, grads.masters, grads.master_grads):
         m.grad = None
         if p.grad is mg:

@@ -11,9 +11,10 @@ from torch.nn import Module
 
 from lightning_mpt.core.config import MasterOptions
 from lightning_mpt.core.masters import Masters
+from lightning_mpt.core.masters.chunked import ChunkedStep
 
 if TYPE_CHECKING:
-    from lightning_mpt.core.masters.chunked import ChunkedMasters
+    from lightning_mpt.core.masters.copies import CopyMasters
 
 
 def build_masters(
@@ -51,7 +52,7 @@ def build_masters(
     if options.remainders:
         from lightning_mpt.core.masters.remainders import RemainderMasters
 
-        masters: ChunkedMasters = RemainderMasters(keep_fp32, chunk)
+        masters: CopyMasters = RemainderMasters(keep_fp32, chunk)
     elif chunk is not None:
         from lightning_mpt.core.masters.chunked import ChunkedMasters
 
@@ -60,5 +61,6 @@ def build_masters(
         from lightning_mpt.core.masters.copies import CopyMasters
 
         return CopyMasters(dtype, keep_fp32, enabled=options.enabled)
-    masters.warn_whole = chunks_asked
+    if isinstance(masters.stepper, ChunkedStep):
+        masters.stepper.warn_whole = chunks_asked
     return masters

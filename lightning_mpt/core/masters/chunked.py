@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
-from lightning_mpt.core.masters._copy_step import _chunks, _unscale_
+from lightning_mpt.core.masters._copy_step import WholeStep, _chunks, _unscale_
 from lightning_mpt.core.masters.copies import CopyMasters
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "TORCHAO_CHUNKABLE",
     "ChunkedGrads",
     "ChunkedMasters",
+    "ChunkedStep",
     "auto_chunk",
     "chunkable",
 ]
@@ -191,8 +192,152 @@ class ChunkedGrads(Gradients):
         self.clip_value = value if self.clip_value is None else min(self.clip_value, value)
 
 
+class ChunkedStep(WholeStep):
+    """The step of fp32 masters taken a chunk of parameters at a time, so that it holds one chunk of fp32 gradients;
+    an optimizer that is not :func:`chunkable` gets the :class:`~lightning_mpt.core.masters._copy_step.WholeStep`.
+
+    Args:
+        owner: the masters this step belongs to (besides what a whole step needs: ``wake`` and ``step_chunks``).
+        chunk: about how many elements each chunk holds (a larger tensor is a chunk of its own); ``"auto"``:
+            :func:`auto_chunk` of the model.
+
+    Example:
+        ```python
+        masters = CopyMasters(torch.bfloat16, chunk=16)  # builds its ChunkedStep
+        assert masters.stepper.chunk == 16 and masters.in_chunks(torch.optim.SGD([torch.zeros(1)]))
+        ```
+    """
+
+    def __init__(self, owner: CopyMasters, chunk: Union[int, Literal["auto"]] = "auto") -> None:
+        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be 'auto' or a positive number of elements, got {chunk!r}")
+        super().__init__(owner)
+        self.warn_whole = True  # say when an optimizer cannot be stepped in chunks (off where chunks are a default)
+        self.asked_chunk = chunk
+        self._auto: tuple[int, int] = (-1, MIN_CHUNK)  # (masters counted, chunk) of the latest auto size
+        # per optimizer, its latest chunked step while no backward has come since: a step taken again clips alike
+        self._last: dict[Optimizer, ChunkedGrads] = {}
+        self._whole: set[int] = set()  # ids of the optimizers told that they are stepped whole
+        # optimizers whose next step is whole: its fp32 gradients all on the masters (fabric.clip_gradients clips them)
+        self.whole_next: set[Optimizer] = set()
+
+    @property
+    def chunk(self) -> int:
+        """Elements per chunk: as asked, or :func:`auto_chunk` of the masters (sized again when masters are added)."""
+        if self.asked_chunk != "auto":
+            return self.asked_chunk
+        masters = self.owner.masters
+        count, size = self._auto
+        if count != len(masters):
+            size = auto_chunk(sum(m.numel() for m in masters.values()))
+            self._auto = (len(masters), size)
+        return size
+
+    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
+        """Decide from the half gradients as they are: the non-finite flag (a fused check over all of them, their
+        values unchanged) and the edit flags stay on the device; no fp32 gradient is made (clipping by norm makes each
+        chunk's in turn, :meth:`ChunkedGrads.clip_by_norm`). An optimizer that is not :func:`chunkable` gets the whole
+        step's fp32 gradients."""
+        if not self.in_chunks(optimizer):
+            return super().prepare(optimizer, scale, check_edits)
+        out = ChunkedGrads(optimizer=optimizer, scale=scale, chunk=self.chunk)
+        last = self._last.pop(optimizer, None)
+        if last is not None:  # stepped again with no backward: the same gradients, clipped as they were
+            out.coefficient, out.clip_value = last.coefficient, last.clip_value
+        plan, halves = self.collect(optimizer, out)
+        found = _unscale_(halves, 1.0, plan.device)  # x * 1 is x: only the flag
+        own = [p.grad for p in out.own_params]  # unscaled in place (already, for a step taken again)
+        found_own = _unscale_(own, 1.0 if last is not None else 1.0 / scale, plan.device)  # type: ignore[arg-type]
+        flags = [f for f in (found, found_own) if f is not None]
+        out.found_inf = flags[0] if len(flags) == 1 else (torch.stack(flags).sum() if flags else None)
+        if check_edits:
+            self.owner.check_edits(out)
+        return out
+
+    def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
+        """Hand ``optimizer`` the masters a chunk at a time, each with its fp32 gradients, clipped as decided; the
+        caller steps once per chunk. The fp32 parameters go with the first chunk."""
+        if not isinstance(grads, ChunkedGrads):
+            yield from super().steps(optimizer, grads)
+            return
+        owner = self.owner
+        chunks = owner.step_chunks(grads.params, grads.masters, grads.chunk) or [([], [])]
+        # the masters in the groups, and the state keyed by them, as for a whole step (a parameter used as a key
+        # stands for its master); each chunk then narrows the groups to its own masters
+        self.groups.swap(optimizer, True)
+        groups = [(g["params"], list(g["params"])) for g in optimizer.param_groups]
+        own = {id(p) for p in grads.own_params}
+        try:
+            for n, (params, masters) in enumerate(chunks):
+                owner.wake(params)
+                fp32 = _chunk_gradients(grads, params, masters)
+                stepped = {id(m) for m in masters} | own if n == 0 else {id(m) for m in masters}
+                for slots, full in groups:  # in place: the group's list object stays the optimizer's
+                    slots[:] = [m for m in full if id(m) in stepped]
+                grads.entered = True
+                try:
+                    yield
+                finally:
+                    for slots, full in groups:
+                        slots[:] = full
+                    for m in masters:
+                        m.grad = None
+                    grads.entered = False
+                    owner.write_back(params, masters)
+                    del fp32
+            self._last[optimizer] = grads
+        finally:
+            for slots, full in groups:
+                slots[:] = full
+            self.groups.swap(optimizer, False)
+
+    def in_chunks(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` is stepped a chunk at a time (it is :func:`chunkable`; if not, a warning says so
+        once)."""
+        return optimizer not in self.whole_next and stepped_in_chunks(optimizer, self._whole, self.warn_whole)
+
+    def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
+        self.whole_next.discard(optimizer)
+        if isinstance(grads, ChunkedGrads):  # the chunks have already given everything back
+            return
+        super().exit(optimizer, grads, stepped)
+
+    def discard(self, grads: Gradients, zero: bool = False) -> None:
+        self.whole_next.discard(grads.optimizer)
+        self._last.pop(grads.optimizer, None)  # type: ignore[arg-type]
+        super().discard(grads, zero)  # a chunked step's masters hold no gradient: the same drop as a whole step's
+
+    def reset(self) -> None:
+        self._last.clear()
+        super().reset()
+
+    def release(self, drop: bool) -> None:
+        self._last.clear()
+        super().release(drop)
+
+    def rescale(self, grads: Gradients, scale: float) -> None:
+        """Before a backward into what a chunked step left, or into gradients clipped for a step not taken yet: the
+        half gradients still carry the scale they were made with and go to ``scale`` (a power of two: exact unless a
+        value leaves the format), clipped first as decided (rounded to the half format: the backward adds to the
+        clipped gradients, as under "32-true"); the fp32 parameters' gradients were unscaled (and clipped) and are
+        multiplied by ``scale``."""
+        if not isinstance(grads, ChunkedGrads):
+            super().rescale(grads, scale)
+            return
+        half = [p.grad for p in grads.params if p.grad is not None]
+        if half:
+            _clip(half, grads, grads.scale)
+        grads.coefficient = grads.clip_value = None  # applied: the next decision starts from these gradients
+        if half and scale != grads.scale:
+            _compat.foreach_mul_(half, scale / grads.scale)
+        own = [p.grad for p in grads.own_params if p.grad is not None]
+        if own and scale != 1.0:
+            _compat.foreach_mul_(own, scale)
+
+
 class ChunkedMasters(CopyMasters):
-    """FP32 masters stepped a chunk of parameters at a time, so that the step holds one chunk of fp32 gradients.
+    """FP32 master copies stepped a chunk of parameters at a time (:class:`ChunkedStep`), so that the step holds one
+    chunk of fp32 gradients: :class:`~lightning_mpt.core.masters.copies.CopyMasters` with a ``chunk``.
 
     Args:
         dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
@@ -222,150 +367,21 @@ class ChunkedMasters(CopyMasters):
         keep_fp32: tuple[type[torch.nn.Module], ...] = DEFAULT_KEEP_FP32,
         chunk: Union[int, Literal["auto"]] = "auto",
     ) -> None:
-        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"chunk must be 'auto' or a positive number of elements, got {chunk!r}")
-        super().__init__(dtype, keep_fp32, enabled=True)
-        self.warn_whole = True  # say when an optimizer cannot be stepped in chunks (off where chunks are a default)
-        self.asked_chunk = chunk
-        self._auto: tuple[int, int] = (-1, MIN_CHUNK)  # (masters counted, chunk) of the latest auto size
-        # per optimizer, its latest chunked step while no backward has come since: a step taken again clips alike
-        self._last: dict[Optimizer, ChunkedGrads] = {}
-        self._whole: set[int] = set()  # ids of the optimizers told that they are stepped whole
-        # optimizers whose next step is whole: its fp32 gradients all on the masters (fabric.clip_gradients clips them)
-        self.whole_next: set[Optimizer] = set()
+        super().__init__(dtype, keep_fp32, enabled=True, chunk=chunk)
 
-    @property
-    def chunk(self) -> int:
-        """Elements per chunk: as asked, or :func:`auto_chunk` of the masters (sized again when masters are added)."""
-        if self.asked_chunk != "auto":
-            return self.asked_chunk
-        count, size = self._auto
-        if count != len(self.masters):
-            size = auto_chunk(sum(m.numel() for m in self.masters.values()))
-            self._auto = (len(self.masters), size)
-        return size
 
-    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
-        """Decide from the half gradients as they are: the non-finite flag (a fused check over all of them, their
-        values unchanged) and the edit flags stay on the device; no fp32 gradient is made (clipping by norm makes each
-        chunk's in turn, :meth:`ChunkedGrads.clip_by_norm`). An optimizer that is not :func:`chunkable` gets the whole
-        step's fp32 gradients."""
-        if not self.in_chunks(optimizer):
-            return super().prepare(optimizer, scale, check_edits)
-        out = ChunkedGrads(optimizer=optimizer, scale=scale, chunk=self.chunk)
-        last = self._last.pop(optimizer, None)
-        if last is not None:  # stepped again with no backward: the same gradients, clipped as they were
-            out.coefficient, out.clip_value = last.coefficient, last.clip_value
-        plan, halves = self.collect(optimizer, out)
-        found = _unscale_(halves, 1.0, plan.device)  # x * 1 is x: only the flag
-        own = [p.grad for p in out.own_params]  # unscaled in place (already, for a step taken again)
-        found_own = _unscale_(own, 1.0 if last is not None else 1.0 / scale, plan.device)  # type: ignore[arg-type]
-        flags = [f for f in (found, found_own) if f is not None]
-        out.found_inf = flags[0] if len(flags) == 1 else (torch.stack(flags).sum() if flags else None)
-        if check_edits:
-            self.check_edits(out)
-        return out
-
-    def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
-        """Hand ``optimizer`` the masters a chunk at a time, each with its fp32 gradients, clipped as decided; the
-        caller steps once per chunk. The fp32 parameters go with the first chunk."""
-        if not isinstance(grads, ChunkedGrads):
-            yield from super().steps(optimizer, grads)
-            return
-        chunks = self.step_chunks(grads) or [([], [])]
-        # the masters in the groups, and the state keyed by them, as for a whole step (a parameter used as a key
-        # stands for its master); each chunk then narrows the groups to its own masters
-        self.groups.swap(optimizer, True)
-        groups = [(g["params"], list(g["params"])) for g in optimizer.param_groups]
-        own = {id(p) for p in grads.own_params}
-        try:
-            for n, (params, masters) in enumerate(chunks):
-                self.wake(params)
-                fp32 = self._chunk_gradients(grads, params, masters)
-                stepped = {id(m) for m in masters} | own if n == 0 else {id(m) for m in masters}
-                for slots, full in groups:  # in place: the group's list object stays the optimizer's
-                    slots[:] = [m for m in full if id(m) in stepped]
-                grads.entered = True
-                try:
-                    yield
-                finally:
-                    for slots, full in groups:
-                        slots[:] = full
-                    for m in masters:
-                        m.grad = None
-                    grads.entered = False
-                    self.write_back(params, masters)
-                    del fp32
-            self._last[optimizer] = grads
-        finally:
-            for slots, full in groups:
-                slots[:] = full
-            self.groups.swap(optimizer, False)
-
-    def step_chunks(self, grads: ChunkedGrads) -> list[tuple[list[Tensor], list[Tensor]]]:
-        """The chunks that a step hands the optimizer in turn, ``(parameters, masters)``: about ``grads.chunk``
-        elements each, in the optimizer's order."""
-        return [(grads.params[a:b], grads.masters[a:b]) for a, b in _chunks(grads.params, grads.chunk)]
-
-    @staticmethod
-    def _chunk_gradients(grads: ChunkedGrads, params: list[Tensor], masters: list[Tensor]) -> list[Tensor]:
-        """The chunk's fp32 gradients on its masters: made from the half gradients now on the parameters (a hook may
-        have edited or dropped one), unscaled by the same kernel as at the decision, then clipped."""
-        kept = [(p, m) for p, m in zip(params, masters) if p.grad is not None]
-        fp32 = _fp32_copies([p for p, _ in kept], [m for _, m in kept])
-        if fp32:
-            if grads.scale != 1.0:  # without a loss scale (bf16) the copies are the true values already
-                _unscale_(fp32, 1.0 / grads.scale)
-            _clip(fp32, grads, 1.0)
-        for (_, m), g in zip(kept, fp32):
-            m.grad = g
-        return fp32
-
-    def in_chunks(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer`` is stepped a chunk at a time (it is :func:`chunkable`; if not, a warning says so
-        once)."""
-        return optimizer not in self.whole_next and stepped_in_chunks(optimizer, self._whole, self.warn_whole)
-
-    def wake(self, params: list[Tensor]) -> None:
-        """Before a chunk's step: make the masters of ``params`` hold their values (they always do here)."""
-
-    def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
-        self.whole_next.discard(optimizer)
-        if isinstance(grads, ChunkedGrads):  # the chunks have already given everything back
-            return
-        super().exit(optimizer, grads, stepped)
-
-    def discard(self, grads: Gradients, zero: bool = False) -> None:
-        self.whole_next.discard(grads.optimizer)
-        self._last.pop(grads.optimizer, None)  # type: ignore[arg-type]
-        super().discard(grads, zero)  # a chunked step's masters hold no gradient: the same drop as a whole step's
-
-    def restore(self) -> None:
-        self._last.clear()
-        super().restore()
-
-    def release(self, drop: bool) -> None:
-        self._last.clear()
-        super().release(drop)
-
-    def rescale(self, grads: Gradients, scale: float) -> None:
-        """Before a backward into what a chunked step left, or into gradients clipped for a step not taken yet: the
-        half gradients still carry the scale they were made with and go to ``scale`` (a power of two: exact unless a
-        value leaves the format), clipped first as decided (rounded to the half format: the backward adds to the
-        clipped gradients, as under "32-true"); the fp32 parameters' gradients were unscaled (and clipped) and are
-        multiplied by ``scale``."""
-        if not isinstance(grads, ChunkedGrads):
-            super().rescale(grads, scale)
-            return
-        half = [p.grad for p in grads.params if p.grad is not None]
-        if half:
-            _clip(half, grads, grads.scale)
-        grads.coefficient = grads.clip_value = None  # applied: the next decision starts from these gradients
-        if half and scale != grads.scale:
-            _compat.foreach_mul_(half, scale / grads.scale)
-        own = [p.grad for p in grads.own_params if p.grad is not None]
-        if own and scale != 1.0:
-            _compat.foreach_mul_(own, scale)
+def _chunk_gradients(grads: ChunkedGrads, params: list[Tensor], masters: list[Tensor]) -> list[Tensor]:
+    """A chunk's fp32 gradients on its masters: made from the half gradients now on the parameters (a hook may have
+    edited or dropped one), unscaled by the same kernel as at the decision, then clipped."""
+    kept = [(p, m) for p, m in zip(params, masters) if p.grad is not None]
+    fp32 = _fp32_copies([p for p, _ in kept], [m for _, m in kept])
+    if fp32:
+        if grads.scale != 1.0:  # without a loss scale (bf16) the copies are the true values already
+            _unscale_(fp32, 1.0 / grads.scale)
+        _clip(fp32, grads, 1.0)
+    for (_, m), g in zip(kept, fp32):
+        m.grad = g
+    return fp32
 
 
 def _clip(tensors: list[Tensor], grads: ChunkedGrads, scale: float) -> None:

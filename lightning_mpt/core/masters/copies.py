@@ -16,8 +16,8 @@ reset their autograd gradient accumulators and detach DDP's hooks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Optional
+from collections.abc import Generator, Iterator
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,20 +28,24 @@ from torch.utils.hooks import RemovableHandle
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, HALF_DTYPES, Gradients, distributed
 from lightning_mpt.core.masters._conversion import convert_module, exact_state, restore_module
-from lightning_mpt.core.masters._copy_step import CopyStep, _by_device
+from lightning_mpt.core.masters._copy_step import WholeStep, _by_device, _chunks, _write_halves
 from lightning_mpt.core.masters._edits import WeightEdits, copy_into_masters, edited_pairs
 from lightning_mpt.core.masters._groups import GroupSwap
 
 __all__ = ["CopyMasters"]
 
 
-class CopyMasters(CopyStep):
+class CopyMasters:
     """FP32 master copies of a module's half-precision parameters.
 
     Args:
         dtype: the half-precision format, ``torch.float16`` or ``torch.bfloat16``.
         keep_fp32: module types whose parameters stay fp32.
         enabled: keep masters; ``False`` leaves the half weights as the only copy (steps update them directly).
+        chunk: step torch's per-parameter optimizers about this many elements at a time
+            (:class:`~lightning_mpt.core.masters.chunked.ChunkedStep`), ``"auto"`` for
+            :func:`~lightning_mpt.core.masters.chunked.auto_chunk` of the model; ``None``: one whole step
+            (:class:`~lightning_mpt.core.masters._copy_step.WholeStep`).
 
     Example:
         ```python
@@ -56,7 +60,11 @@ class CopyMasters(CopyStep):
     """
 
     def __init__(
-        self, dtype: torch.dtype, keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32, enabled: bool = True
+        self,
+        dtype: torch.dtype,
+        keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32,
+        enabled: bool = True,
+        chunk: Union[int, Literal["auto"], None] = None,
     ) -> None:
         if dtype not in HALF_DTYPES:
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
@@ -67,11 +75,15 @@ class CopyMasters(CopyStep):
         self.converted: dict[Tensor, None] = {}  # every parameter given a half tensor (an ordered set)
         self.groups = GroupSwap(self.masters, self.converted)
         self.edits = WeightEdits(self.masters, dtype)
-        self._kept: list[Gradients] = []  # steps whose masters keep their fp32 gradients until the next forward
-        self._zeros: dict[Tensor, tuple[Tensor, Optional[int]]] = {}  # zero gradients standing for none (CopyStep)
-        self._accumulated: dict[Tensor, RemovableHandle] = {}
         self.names: dict[Tensor, str] = {}
         self._handles: list[RemovableHandle] = []
+        self.stepper: WholeStep
+        if chunk is None:
+            self.stepper = WholeStep(self)
+        else:
+            from lightning_mpt.core.masters.chunked import ChunkedStep  # it extends WholeStep
+
+            self.stepper = ChunkedStep(self, chunk)
 
     # ------------------------------------------------------------------ conversion
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
@@ -102,11 +114,7 @@ class CopyMasters(CopyStep):
         self.masters.clear()
         self.groups.invalidate()
         self.edits.invalidate()
-        self._kept.clear()
-        self._zeros.clear()
-        for handle in self._accumulated.values():
-            handle.remove()
-        self._accumulated.clear()
+        self.stepper.reset()
 
     def add_master(self, param: Tensor, master: Tensor) -> None:
         self.masters[param] = master
@@ -204,3 +212,59 @@ class CopyMasters(CopyStep):
         edited = [] if flags is None else edited_pairs(pairs, flags.tolist())
         copy_into_masters(edited)
         return [self.name_of(p) for p, _ in edited]
+
+    # ------------------------------------------------------------------ the half weights
+    def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
+        """Round ``masters`` into their half parameters ``params``."""
+        _write_halves(params, masters)
+
+    def write_back(self, params: list[Tensor], masters: list[Tensor]) -> None:
+        """After a step: the stepped ``masters`` go back into storage, their half weights refreshed."""
+        _write_halves(params, masters)
+
+    def check_edits(self, out: Gradients) -> None:
+        """Flag the half weights of ``out.params`` that user code edited since their masters were last written:
+        ``out.edited`` one flag on the device, ``out.edit_flags`` one per parameter (``None``: none was)."""
+        flags = self.edits.flags(out.params) if out.params else None
+        if flags is not None:
+            out.edit_flags = flags
+            out.edited = flags.any().reshape(1)
+
+    def wake(self, params: list[Tensor]) -> None:
+        """Before a chunk's step: make the masters of ``params`` hold their values (fp32 copies always do)."""
+
+    def step_chunks(
+        self, params: list[Tensor], masters: list[Tensor], chunk: int
+    ) -> list[tuple[list[Tensor], list[Tensor]]]:
+        """The chunks that a chunked step hands the optimizer in turn, ``(parameters, masters)``: about ``chunk``
+        elements each, in the optimizer's order."""
+        return [(params[a:b], masters[a:b]) for a, b in _chunks(params, chunk)]
+
+    # ------------------------------------------------------------------ the step (:attr:`stepper`)
+    def in_chunks(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s next step is taken a chunk at a time."""
+        return self.stepper.in_chunks(optimizer)
+
+    def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
+        return self.stepper.prepare(optimizer, scale, check_edits)
+
+    def enter(self, optimizer: Optimizer, grads: Gradients) -> None:
+        self.stepper.enter(optimizer, grads)
+
+    def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
+        self.stepper.exit(optimizer, grads, stepped)
+
+    def steps(self, optimizer: Optimizer, grads: Gradients) -> Generator[None, None, None]:
+        return self.stepper.steps(optimizer, grads)
+
+    def discard(self, grads: Gradients, zero: bool = False) -> None:
+        self.stepper.discard(grads, zero)
+
+    def rescale(self, grads: Gradients, scale: float) -> None:
+        self.stepper.rescale(grads, scale)
+
+    def release(self, drop: bool) -> None:
+        self.stepper.release(drop)
+
+    def accumulate_in_fp32(self, sync: bool) -> None:
+        self.stepper.accumulate_in_fp32(sync)

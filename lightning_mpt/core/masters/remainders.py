@@ -31,12 +31,13 @@ from torch.optim import Optimizer
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, distributed, params_of
 from lightning_mpt.core.masters._edits import bits_differ
 from lightning_mpt.core.masters._remainder_store import RemainderStore, fingerprint, join, split
-from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedGrads, ChunkedMasters
+from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedStep
+from lightning_mpt.core.masters.copies import CopyMasters
 
 __all__ = ["RemainderMasters", "fingerprint", "join", "split"]
 
 
-class RemainderMasters(ChunkedMasters):
+class RemainderMasters(CopyMasters):
     """Exact fp32 masters of a bf16 model held as 16-bit remainders beside the weights between steps.
 
     The weights and the remainders lie flat, per device (:class:`~lightning_mpt.core.masters._remainder_store.
@@ -71,8 +72,7 @@ class RemainderMasters(ChunkedMasters):
         keep_fp32: tuple[type[nn.Module], ...] = DEFAULT_KEEP_FP32,
         chunk: Union[int, Literal["auto"], None] = None,
     ) -> None:
-        super().__init__(torch.bfloat16, keep_fp32, DEFAULT_CHUNK if chunk is None else chunk)
-        self.chunked = chunk is not None
+        super().__init__(torch.bfloat16, keep_fp32, enabled=True, chunk=chunk)
         self.stores: list[RemainderStore] = []
         self._where: dict[Tensor, RemainderStore] = {}  # parameter -> the store that holds its master
         self._chunk: dict[Tensor, tuple[int, int]] = {}  # parameter -> (its store's index, its chunk's index)
@@ -87,6 +87,12 @@ class RemainderMasters(ChunkedMasters):
         super().convert(module, restored)
         self._lay_out()
         return module
+
+    @property
+    def layout_chunk(self) -> int:
+        """Elements per chunk of the layout: the chunked step's chunk, else :data:`DEFAULT_CHUNK` (a whole step wakes
+        every chunk)."""
+        return self.stepper.chunk if isinstance(self.stepper, ChunkedStep) else DEFAULT_CHUNK
 
     def add_master(self, param: Tensor, master: Tensor) -> None:
         super().add_master(param, master)
@@ -125,7 +131,7 @@ class RemainderMasters(ChunkedMasters):
             else:  # its data is of another format now: its master stays a tensor of its own
                 self.masters[p] = values[p]
         for params in by_device.values():
-            store = RemainderStore(params, [values[p].to(p.device) for p in params], self.chunk)
+            store = RemainderStore(params, [values[p].to(p.device) for p in params], self.layout_chunk)
             for i, (p, m) in enumerate(zip(store.params, store.masters)):
                 self.masters[p] = m
                 self._where[p] = store
@@ -233,9 +239,6 @@ class RemainderMasters(ChunkedMasters):
                     self.masters[p] = m
         self.held = {}
 
-    def in_chunks(self, optimizer: Optimizer) -> bool:
-        return self.chunked and super().in_chunks(optimizer)
-
     # ------------------------------------------------------------------ the step
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         self._ensure_layout()
@@ -283,14 +286,16 @@ class RemainderMasters(ChunkedMasters):
         self._edited = self._check()
         return self.absorb_edits(Gradients(), [1.0])
 
-    def step_chunks(self, grads: ChunkedGrads) -> list[tuple[list[Tensor], list[Tensor]]]:
+    def step_chunks(
+        self, params: list[Tensor], masters: list[Tensor], chunk: int
+    ) -> list[tuple[list[Tensor], list[Tensor]]]:
         """The chunks of the layout, each with the optimizer's parameters it holds; the rest in one chunk after."""
         chunks: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
         where = self._chunk
-        for p, m in zip(grads.params, grads.masters):
-            params, masters = chunks.setdefault(where.get(p, (len(self.stores), 0)), ([], []))
-            params.append(p)
-            masters.append(m)
+        for p, m in zip(params, masters):
+            in_chunk, their_masters = chunks.setdefault(where.get(p, (len(self.stores), 0)), ([], []))
+            in_chunk.append(p)
+            their_masters.append(m)
         return [chunks[key] for key in sorted(chunks)]
 
     def exit(self, optimizer: Optimizer, grads: Gradients, stepped: bool) -> None:
