@@ -48,15 +48,12 @@ class WholeStep:
 
     def __init__(self, owner: CopyMasters) -> None:
         self.owner = owner
+        self.groups: GroupSwap = owner.groups
         self._kept: list[Gradients] = []  # steps whose masters keep their fp32 gradients until the next forward
         # parameter -> zeros given to it as its gradient, standing for none until written into: their version then,
         # or None where only a backward's accumulation counts (:meth:`accumulate_in_fp32`)
         self._zeros: dict[Tensor, tuple[Tensor, Optional[int]]] = {}
         self._accumulated: dict[Tensor, RemovableHandle] = {}  # the hooks that see a backward accumulate into a param
-
-    @property
-    def groups(self) -> GroupSwap:
-        return self.owner.groups
 
     def in_chunks(self, optimizer: Optimizer) -> bool:
         """A whole step is never chunked."""

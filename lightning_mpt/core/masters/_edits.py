@@ -168,8 +168,11 @@ class WeightEdits:
     def flags(self, params: list[Tensor]) -> Optional[Tensor]:
         """Whether the half weight of each of ``params`` (each with a master) differs from its master rounded, on the
         device; ``None`` when none does and a CPU knows it without a flag per weight."""
-        if any(halves.moved() for halves, _, _ in self.flat()):  # data replaced since it was laid flat
-            self.invalidate()
+        # loops, not comprehensions: this runs every step
+        for halves, _, _ in self.flat():
+            if halves.moved():  # data replaced since it was laid flat
+                self.invalidate()
+                break
         flat = self.flat()
         key = tuple(map(id, params))
         positions = self._positions.get(key)
@@ -180,8 +183,13 @@ class WeightEdits:
             device = flat[0][0].device if flat else params[0].device
             positions = self._positions[key] = (torch.tensor(at, dtype=torch.long, device=device), loose)
         index, loose = positions
-        parts = [edits.flags(masters) for _, edits, masters in flat]
-        if not loose and all(part is None for part in parts):
+        parts = []
+        edited = bool(loose)
+        for _, edits, masters in flat:
+            part = edits.flags(masters)
+            parts.append(part)
+            edited = edited or part is not None
+        if not edited:
             return None
         device = index.device
         every = [

@@ -31,6 +31,9 @@ class _ReusedBuffer:
         self.views = views_of(self.flat)
         self.nbytes = self.flat.untyped_storage().nbytes()
         self.counts = self._counts()
+        # its memory given back while nothing held it: the views are reachable through this object alone since,
+        # so it is free until it wakes (no count to take again)
+        self.asleep = False
 
     def _counts(self) -> tuple[int, int, int, int]:
         """Tensors sharing the storage (views, whoever holds them, Python or C++), and Python references to the views
@@ -54,12 +57,14 @@ class _ReusedBuffer:
             self.flat.untyped_storage().resize_(0)
         except RuntimeError:
             return False
+        self.asleep = True
         return True
 
     def wake(self) -> None:
         storage = self.flat.untyped_storage()
         if storage.nbytes() != self.nbytes:
             storage.resize_(self.nbytes)
+        self.asleep = False
 
 
 class FlatLayout:
@@ -102,7 +107,7 @@ class FlatLayout:
         key = (purpose, dtype, device)
         kept = self._kept.get(key)
         if kept is not None:
-            if kept.free():
+            if kept.asleep or kept.free():
                 kept.wake()
                 return kept.flat, kept.views
             del self._kept[key]  # a holder keeps them: theirs now
@@ -122,7 +127,9 @@ class FlatLayout:
         views are kept for the next step); a buffer that something still holds is forgotten, and freed when its holder
         lets go."""
         for key, kept in list(self._kept.items()):
-            if (purpose is None or key[0] == purpose) and not (kept.free() and kept.sleep()):
+            if kept.asleep or (purpose is not None and key[0] != purpose):
+                continue
+            if not (kept.free() and kept.sleep()):
                 del self._kept[key]
 
 

@@ -172,7 +172,11 @@ class GroupSwap:
 
     def plan(self, optimizer: Optimizer) -> GroupPlan:
         """Where ``optimizer``'s parameters with masters sit in its groups; rebuilt when the groups change."""
-        key = tuple([(id(g["params"]), len(g["params"])) for g in optimizer.param_groups])
+        key_parts = []  # a loop, not a comprehension: this runs three times a step
+        for g in optimizer.param_groups:
+            params = g["params"]
+            key_parts.append((id(params), len(params)))
+        key = tuple(key_parts)
         plan = self._plans.get(optimizer)
         if plan is None or plan.key != key:
             plan = GroupPlan(key)

@@ -78,6 +78,7 @@ class CopyMasters:
         self.names: dict[Tensor, str] = {}
         self._handles: list[RemovableHandle] = []
         self.stepper: WholeStep
+        self.chunked = chunk is not None  # the step is a ChunkedStep
         if chunk is None:
             self.stepper = WholeStep(self)
         else:
@@ -243,7 +244,7 @@ class CopyMasters:
     # ------------------------------------------------------------------ the step (:attr:`stepper`)
     def in_chunks(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s next step is taken a chunk at a time."""
-        return self.stepper.in_chunks(optimizer)
+        return self.chunked and self.stepper.in_chunks(optimizer)
 
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         return self.stepper.prepare(optimizer, scale, check_edits)
