@@ -11,9 +11,12 @@ of a small MLP regression model. The gradient the optimizer is handed (the fp32 
 weights and batches. Each micro-batch's own gradient is computed in the half format either way (that is the point of
 mixed precision); what differs is the sum:
 
-* the default adds each micro-batch's half gradient into a half-precision running sum, rounding at every addition,
-  so the later micro-batches' small contributions lose bits against the growing sum;
-* ``accumulate_fp32=True`` sums them in fp32 (Megatron's ``main_grad``; torch >= 2.13), rounding once per micro-batch.
+* a half-precision running sum rounds at every addition, so the later micro-batches' small contributions lose bits
+  against the growing sum: bf16's default sums so (its step then holds no fp32 gradient), and fp16 where the half
+  weights get no masters (``master_weights=False``, measured here) or step in chunks (``chunked_step=True``);
+* ``accumulate_fp32=True`` sums them in fp32 (Megatron's ``main_grad``; torch >= 2.13), rounding once per micro-batch;
+  fp16's default does the same from the second micro-batch on (its step holds fp32 gradients anyway), so it measures
+  as the fp32 column.
 
 The relative error is ``|g - g64| / |g64|`` over all parameters. Each micro-batch's own rounding error shrinks in
 the mean like 1/sqrt(N); the half-precision running sum's error grows with N, so the longer the accumulation, the more
@@ -80,6 +83,8 @@ def relative_error(got: list[torch.Tensor], exact: list[torch.Tensor]) -> float:
 
 
 def measure(precision: str, accumulate_fp32: bool, args: Any) -> float:
+    """The relative error of the gradient a step is handed, summed in fp32 (``accumulate_fp32``) or in the half
+    format (bf16's default; fp16 without masters)."""
     torch.manual_seed(0)
     model = Regression(args.width)
     dataset = data(args.n, args.batch_size, args.width)
@@ -87,7 +92,8 @@ def measure(precision: str, accumulate_fp32: bool, args: Any) -> float:
     scale = 2.0**8 if precision == "fp16" else None  # a static scale: this one step must not be skipped
     # the whole step: its hooks see the masters' fp32 gradients, the sum this example measures (bf16's default steps
     # in chunks, which hold none at the hooks)
-    plugin = MPTPrecision(precision, scaler=scale, accumulate_fp32=accumulate_fp32, chunked_step=False)  # type: ignore[arg-type]
+    half_sum = {"master_weights": False} if precision == "fp16" and not accumulate_fp32 else {"chunked_step": False}
+    plugin = MPTPrecision(precision, scaler=scale, accumulate_fp32=accumulate_fp32, **half_sum)  # type: ignore[arg-type]
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=1,

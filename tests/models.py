@@ -216,14 +216,17 @@ def check_fp32_accumulation(grad: Callable[..., torch.Tensor]) -> None:
 
     ``grad(x, **plugin_kwargs)`` runs one backward per row of ``x`` with the loss ``model(row).mean() * 2**-10``,
     averaged over the 64 micro-batches, through ``MPTPrecision("fp16", scaler=2.0**10, **plugin_kwargs)``, and
-    returns the unscaled fp32 master gradient that the step would see (as float64).
+    returns the unscaled gradient that the step would see (as float64). fp16's default sums in fp32 from the second
+    backward on, as ``accumulate_fp32=True`` does from the first; half weights without masters sum in fp16.
     """
     g = torch.Generator().manual_seed(0)
     x = 1 + torch.randint(0, 1024, (64, 16), generator=g) / 1024  # exact in fp16: only the summation rounds
     exact = (x.double().sum(0) * 2.0**-10 / 64).unsqueeze(0)  # the gradient in fp64
     error = lambda got: ((got - exact).norm() / exact.norm()).item()
-    half, fp32 = error(grad(x)), error(grad(x, accumulate_fp32=True))
+    default, fp32 = error(grad(x)), error(grad(x, accumulate_fp32=True))
+    half = error(grad(x, master_weights=False))
     assert fp32 == 0.0  # every micro-batch gradient is exact in fp16, and their sum exact in fp32
+    assert default == 0.0
     assert half > 1e-4  # the fp16 running sum rounds at every addition
 
 

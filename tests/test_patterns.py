@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 from models import InjectInf, TinyMLP, check_fp32_accumulation, quiet_trainer, regression_data
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -814,3 +815,65 @@ def test_a_step_without_the_closure_after_running_it_steps_as_under_32_true(chun
     got = run(plugins=[MPTPrecision("bf16", chunked_step=chunked)])
     assert moved(start, ref) > 0
     assert moved(ref, got) < 0.1 * moved(start, ref)  # bf16's rounding and compute aside, the same steps
+
+
+class ScaledLoss(L.LightningModule):
+    """A loss multiplied by ``k``: at the scale of 2**16 each micro-batch's fp16 gradient fits, two summed do not."""
+
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.scales: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self.net(x).float() - y).pow(2).mean() * self.k
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.scales.append(float(self.trainer.precision_plugin.scaler.get_scale()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05 / self.k)
+
+
+@pytest.mark.skipif(not GRAD_DTYPE, reason="fp32 sums of half gradients need torch >= 2.13 (Tensor.grad_dtype)")
+def test_fp16_accumulation_sums_in_fp32_and_skips_only_where_16_mixed_does():
+    """fp16's default summed micro-batches in fp16: at the loss scale two gradients that each fit overflowed once
+    added, and the step was skipped (the scale halved) where "16-mixed", whose gradients are fp32, took it."""
+
+    def run(steps: int = 6, **kwargs: Any) -> ScaledLoss:
+        torch.manual_seed(0)
+        model = ScaledLoss(7.0)
+        x, y = torch.randn(32, 8, generator=torch.Generator().manual_seed(0)), torch.randn(32, 4)
+        quiet_trainer(max_steps=steps, accumulate_grad_batches=2, **kwargs).fit(
+            model, DataLoader(TensorDataset(x, y), batch_size=8)
+        )
+        return model
+
+    start = snapshot(run(0))
+    reference = run(plugins=[MixedPrecision("16-mixed", "cpu")])
+    ours = run(plugins=[MPTPrecision("fp16")])
+    assert ours.scales == reference.scales  # the same steps taken, the same skips
+    assert moved(snapshot(reference), snapshot(ours)) < 0.05 * moved(start, snapshot(reference))
+
+
+@pytest.mark.skipif(not GRAD_DTYPE, reason="fp32 sums of half gradients need torch >= 2.13 (Tensor.grad_dtype)")
+def test_fp16_accumulation_leaves_a_parameter_unused_in_a_window_without_gradient():
+    """fp16's fp32 sums give every parameter fp32 zeros to accumulate into at the window's second backward: the
+    branch, used in the first window only, has none at the second step (SGD's momentum leaves it alone), as under
+    "16-mixed"."""
+
+    def run(plugin: Any) -> Branchy:
+        torch.manual_seed(0)
+        model = Branchy()
+        quiet_trainer(max_steps=2, accumulate_grad_batches=2, plugins=[plugin]).fit(
+            model, DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=8)
+        )
+        return model
+
+    reference = run(MixedPrecision("16-mixed", "cpu"))
+    assert reference.moved == [False, True, False, False]  # steps at batches 1 and 3
+    ours = run(MPTPrecision("fp16"))
+    assert ours.moved == reference.moved
+    assert torch.allclose(ours.branch.weight, reference.branch.weight, rtol=1e-3, atol=1e-4)

@@ -80,6 +80,8 @@ class MixedPrecisionEngine:
         scaler: the loss scaler, ``None`` for no scaling (a non-finite gradient still skips the step).
         max_consecutive_skips: the guard's limit of skipped steps in a row of one optimizer.
         accumulate_fp32: sum the gradients of micro-batches in fp32 (torch >= 2.13); see :meth:`scale_loss`.
+        fp32_when_accumulating: sum them in fp32 from the second backward into the same gradients on (the first
+            leaves them in the half format, as a step of one backward needs no more); see :meth:`scale_loss`.
         on_edits: called with the names of parameters whose half weights user code edited in place outside the step
             (the masters adopt the edits either way).
     """
@@ -91,6 +93,7 @@ class MixedPrecisionEngine:
         max_consecutive_skips: int = 50,
         accumulate_fp32: bool = False,
         on_edits: Optional[Callable[[list[str]], None]] = None,
+        fp32_when_accumulating: bool = False,
     ) -> None:
         self.masters = masters
         self.on_edits = on_edits
@@ -99,6 +102,7 @@ class MixedPrecisionEngine:
         self.zero_grad_drops = False
         self.log = StepLog(scaler, max_consecutive_skips)
         self.accumulate_fp32 = accumulate_fp32
+        self.fp32_when_accumulating = fp32_when_accumulating
         self.backward_scale = self.loss_scale  # the scale of the latest backward
         self._loss_finite: Optional[Tensor] = None  # whether every loss since the last decision was finite (device)
         self._pending: dict[Optimizer, PendingStep] = {}
@@ -142,12 +146,15 @@ class MixedPrecisionEngine:
         """The loss to backpropagate, multiplied by the scale; notes (on the device) whether it was finite.
 
         New gradients make a decided step stale: its gradients are scaled again, to be accumulated into and decided
-        again at the step. With ``accumulate_fp32``, ``sync`` says whether this backward reduces gradients across
-        processes (``False`` for the micro-batches DDP runs under ``no_sync``): until then they are summed in fp32.
+        again at the step. With ``accumulate_fp32``, or ``fp32_when_accumulating`` and a backward since the last
+        decision (this one adds to its gradients: a scaled fp16 sum could overflow where each term does not, and
+        Lightning's "16-mixed" sums in fp32), the gradients are summed in fp32; ``sync`` says whether this backward
+        reduces gradients across processes (``False`` for the micro-batches DDP runs under ``no_sync``): until then.
         """
+        accumulating = self._loss_finite is not None  # a backward since the last decision left these gradients
         self.drop_pending(rescale=True)
         self.release_gradients(drop=False)
-        if self.accumulate_fp32:
+        if self.accumulate_fp32 or (accumulating and self.fp32_when_accumulating):
             self.masters.accumulate_in_fp32(sync=sync and distributed())
         finite = torch.isfinite(loss.detach()).all()
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite

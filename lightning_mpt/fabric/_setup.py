@@ -138,15 +138,17 @@ class ModuleSetUp:
             if isinstance(self._engine.masters, CopyMasters):
                 self._engine.masters.broadcast(refresh=False)
             self.synced = True
-        if not accumulate_fp32 or self._sharded or not distributed():
+        if self._sharded or not distributed():
             return True
         sync = getattr(model, "require_backward_grad_sync", None)
-        if sync is None:
+        if sync is not None:
+            return bool(sync)
+        if accumulate_fp32:
             raise ValueError(
                 "MPTPrecision(accumulate_fp32=True) under DDP needs the model in each backward, to see whether it "
                 "synchronises gradients (fabric.no_backward_sync): call fabric.backward(loss, model=model)."
             )
-        return bool(sync)
+        return True  # fp16's fp32 sums of micro-batches then go back to the half format at every backward
 
     def adopt(self, optimizer: object) -> Optimizer:
         """The torch optimizer behind ``optimizer`` (Fabric's wrapper or itself), adopted by the engine."""

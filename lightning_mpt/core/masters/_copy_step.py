@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, whole_step
 from lightning_mpt.core.masters._groups import GroupPlan, GroupSwap
+from lightning_mpt.core.masters._zeros import StandInZeros
 
 if TYPE_CHECKING:
     from lightning_mpt.core.masters.copies import CopyMasters
@@ -50,10 +50,7 @@ class WholeStep:
         self.owner = owner
         self.groups: GroupSwap = owner.groups
         self._kept: list[Gradients] = []  # steps whose masters keep their fp32 gradients until the next forward
-        # parameter -> zeros given to it as its gradient, standing for none until written into: their version then,
-        # or None where only a backward's accumulation counts (:meth:`accumulate_in_fp32`)
-        self._zeros: dict[Tensor, tuple[Tensor, Optional[int]]] = {}
-        self._accumulated: dict[Tensor, RemovableHandle] = {}  # the hooks that see a backward accumulate into a param
+        self.zeros = StandInZeros()  # zero gradients standing for none (fp32 accumulation, a skip's zero_grad)
 
     def in_chunks(self, optimizer: Optimizer) -> bool:
         """A whole step is never chunked."""
@@ -62,10 +59,7 @@ class WholeStep:
     def reset(self) -> None:
         """The masters were given back to the module: forget the kept gradients, zeros and hooks."""
         self._kept.clear()
-        self._zeros.clear()
-        for handle in self._accumulated.values():
-            handle.remove()
-        self._accumulated.clear()
+        self.zeros.reset()
 
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         """Copy ``optimizer``'s half gradients into fp32 master gradients and unscale everything by ``1/scale``.
@@ -93,8 +87,8 @@ class WholeStep:
         """Put the parameters of ``optimizer`` that have a gradient into ``out`` (a master whose parameter has none
         gets none either, so the optimizer leaves it alone); a frozen one that has one now gets its master. Returns the
         plan and the half gradients of ``out.params``."""
-        if self._zeros:
-            self.drop_unused_zeros()
+        if self.zeros:
+            self.zeros.take_back_unused()
         plan = self.groups.plan(optimizer)
         if plan.frozen and self.owner.enabled:
             unfrozen = [p for p in plan.frozen if p.grad is not None]
@@ -233,46 +227,8 @@ class WholeStep:
         return whole_step(self.owner, optimizer, grads)
 
     def accumulate_in_fp32(self, sync: bool) -> None:
-        """Before a backward: give the half parameters fp32 gradients for autograd to accumulate into (zeros at the
-        start of a window), so micro-batches are summed in fp32, not in the half format (torch >= 2.13).
-
-        ``sync``: the backward reduces gradients across processes (DDP's last micro-batch); the reducer insists on
-        the parameter's dtype, so the fp32 sum so far goes back to the half format, rounded once.
-
-        A parameter that no backward gives a gradient (unused, or frozen) has none at the step, as under "32-true",
-        so the optimizer leaves it alone: zeros nothing was accumulated into are taken back (:meth:`drop_unused_zeros`).
-        """
-        if sync:
-            self.drop_unused_zeros()
-        for p, m in self.owner.masters.items():
-            if not p.requires_grad:
-                continue
-            g = p.grad
-            if sync:
-                p.grad = None if g is None else g.to(p.dtype)
-            elif g is None:
-                zeros = torch.zeros_like(m)
-                p.grad = zeros
-                # a backward's accumulation into them takes them off the list; nothing else does (a clip that
-                # multiplies every gradient in place leaves them zeros nothing was accumulated into)
-                self._zeros[p] = (zeros, None)
-                if p not in self._accumulated:
-                    self._accumulated[p] = p.register_post_accumulate_grad_hook(self._accumulated_into)
-            elif g.dtype != torch.float32:
-                p.grad = g.float()
-
-    def _accumulated_into(self, param: Tensor) -> None:
-        """A backward accumulated into ``param``'s gradient: zeros given to it are a sum of gradients now."""
-        self._zeros.pop(param, None)
-
-    def drop_unused_zeros(self) -> None:
-        """Take back the zero gradients that stand for none: those of :meth:`accumulate_in_fp32` that no backward
-        accumulated into, and those of :meth:`discard` that nothing wrote into since (their version counter is where
-        it was)."""
-        for p, (zeros, version) in self._zeros.items():
-            if p.grad is zeros and (version is None or _compat.version(zeros) == version):
-                p.grad = None
-        self._zeros.clear()
+        """:meth:`StandInZeros.accumulate_in_fp32` of the owner's masters."""
+        self.zeros.accumulate_in_fp32(self.owner.masters, sync)
 
     def rescale(self, grads: Gradients, scale: float) -> None:
         """Before a backward: the unscaled gradients that ``grads`` left on its parameters (a step decided but not
@@ -308,15 +264,13 @@ class WholeStep:
         ``zero``: leave zeros in the parameters' own formats instead, which ``zero_grad(set_to_none=False)`` keeps (a
         parameter unused in the next step then has a zero gradient, as under "32-true"). Until something writes
         into them (that ``zero_grad``, a backward), they stand for no gradient: a step taken again finds none
-        (:meth:`drop_unused_zeros`), as ``GradScaler`` skips it again.
+        (:meth:`StandInZeros.take_back_unused`), as ``GradScaler`` skips it again.
         """
         for m in grads.masters:
             m.grad = None
         for p in [*grads.params, *grads.own_params]:
             if zero and p.grad is not None:
-                zeros = torch.zeros_like(p)
-                p.grad = zeros
-                self._zeros[p] = (zeros, _compat.version(zeros))
+                self.zeros.give(p, torch.zeros_like(p), track_version=True)
             else:
                 p.grad = None
 
@@ -332,8 +286,7 @@ class WholeStep:
         for i in range(len(self._kept)):  # by index: a loop variable would still hold a step's gradients below
             _release(self._kept[i], drop)
         self._kept.clear()
-        if self._zeros:  # the zeros a skip left that are no longer the gradients are gone
-            self._zeros = {p: (z, v) for p, (z, v) in self._zeros.items() if p.grad is z}
+        self.zeros.forget_replaced()  # the zeros a skip left that are no longer the gradients are gone
         self.groups.layouts.release()
 
 
