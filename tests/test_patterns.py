@@ -858,15 +858,26 @@ def test_fp16_accumulation_sums_in_fp32_and_skips_only_where_16_mixed_does():
     assert moved(snapshot(reference), snapshot(ours)) < 0.05 * moved(start, snapshot(reference))
 
 
+class SeesBranchGradients(Branchy):
+    """Records, at each step, whether the branch's weight has a gradient (hooks see what "16-mixed" shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.has_grad: list[bool] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.has_grad.append(self.branch.weight.grad is not None)
+
+
 @pytest.mark.skipif(not GRAD_DTYPE, reason="fp32 sums of half gradients need torch >= 2.13 (Tensor.grad_dtype)")
 def test_fp16_accumulation_leaves_a_parameter_unused_in_a_window_without_gradient():
-    """fp16's fp32 sums give every parameter fp32 zeros to accumulate into at the window's second backward: the
-    branch, used in the first window only, has none at the second step (SGD's momentum leaves it alone), as under
-    "16-mixed"."""
+    """fp16's fp32 sums convert the gradients there are at a window's later backwards and give none to a parameter
+    without one: the branch, used in the first window only, has no gradient at the second step (hooks see ``None``,
+    SGD's momentum leaves it alone), as under "16-mixed"."""
 
-    def run(plugin: Any) -> Branchy:
+    def run(plugin: Any) -> SeesBranchGradients:
         torch.manual_seed(0)
-        model = Branchy()
+        model = SeesBranchGradients()
         quiet_trainer(max_steps=2, accumulate_grad_batches=2, plugins=[plugin]).fit(
             model, DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=8)
         )
@@ -874,6 +885,43 @@ def test_fp16_accumulation_leaves_a_parameter_unused_in_a_window_without_gradien
 
     reference = run(MixedPrecision("16-mixed", "cpu"))
     assert reference.moved == [False, True, False, False]  # steps at batches 1 and 3
+    assert reference.has_grad == [True, False]
     ours = run(MPTPrecision("fp16"))
     assert ours.moved == reference.moved
+    assert ours.has_grad == reference.has_grad
     assert torch.allclose(ours.branch.weight, reference.branch.weight, rtol=1e-3, atol=1e-4)
+
+
+class StepsTheRawOptimizer(L.LightningModule):
+    """Manual optimization that steps the torch optimizer itself (``use_pl_optimizer=False``)."""
+
+    def __init__(self, raw: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.raw = raw
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt = self.optimizers(use_pl_optimizer=not self.raw)
+        opt.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.net(x).float(), y))
+        opt.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_stepping_the_torch_optimizer_itself_is_refused(precision):
+    """Between steps the torch optimizer holds the half parameters: its own ``step()`` updated them directly,
+    bypassing the masters (bf16: as "bf16-true", 1.4x the run's movement off "bf16-mixed" at lr 1e-3), silently. It
+    is refused with what to call instead; the wrapper's step trains as before."""
+    model = StepsTheRawOptimizer(raw=True)
+    match = r"SGD.step\(\) was called on the torch optimizer itself.*self.optimizers\(\)"
+    with pytest.raises(RuntimeError, match=match):  # one epoch: the raw steps never count as the Trainer's steps
+        quiet_trainer(max_epochs=1, plugins=[MPTPrecision(precision)]).fit(model, regression_data())
+    wrapped = StepsTheRawOptimizer(raw=False)
+    before = snapshot(wrapped)
+    quiet_trainer(max_steps=2, plugins=[MPTPrecision(precision)]).fit(wrapped, regression_data())
+    assert moved(before, snapshot(wrapped)) > 0

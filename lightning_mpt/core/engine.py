@@ -109,6 +109,7 @@ class MixedPrecisionEngine:
         # per optimizer, the gradients of its latest step taken with no backward since: true values, not scaled
         self._taken: dict[Optimizer, Gradients] = {}
         self._optimizers: dict[Optimizer, list[Any]] = {}  # adopted optimizers, in order -> their hook handles
+        self._stepping = False  # inside :meth:`step` or :meth:`step_in_closure`: the optimizer's step is the engine's
 
     @property
     def loss_scale(self) -> float:
@@ -123,8 +124,24 @@ class MixedPrecisionEngine:
     def adopt(self, optimizer: Optimizer) -> int:
         """The index of ``optimizer`` (its position among the optimizers seen), adopting it on first sight."""
         if optimizer not in self._optimizers:
-            self._optimizers[optimizer] = self.masters.adopt(optimizer)
+            handles = self.masters.adopt(optimizer)
+            if self.masters.separate:
+                handles.append(optimizer.register_step_pre_hook(self._refuse_direct_step))
+            self._optimizers[optimizer] = handles
         return list(self._optimizers).index(optimizer)
+
+    def _refuse_direct_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """A step of an adopted optimizer that the engine did not start would update the half weights it holds,
+        bypassing the masters (fp16's gradients still scaled): refused, with what to call instead."""
+        if not self._stepping:
+            raise RuntimeError(
+                f"MPTPrecision: {type(optimizer).__name__}.step() was called on the torch optimizer itself, outside "
+                "the precision plugin. Between steps it holds the half-precision parameters, so it would update them "
+                "directly, bypassing the fp32 masters (with fp16, by gradients still multiplied by the loss scale). "
+                "Step through the wrapper instead: in a LightningModule `self.optimizers()` (not "
+                "`use_pl_optimizer=False`) and `opt.step()`, or `self.trainer.strategy.optimizer_step(optimizer)`; "
+                "with Fabric the optimizer that `fabric.setup` returned."
+            )
 
     def index_of(self, optimizer: Optimizer) -> Optional[int]:
         """The index of ``optimizer`` if it was adopted, else ``None``."""
@@ -155,7 +172,9 @@ class MixedPrecisionEngine:
         self.drop_pending(rescale=True)
         self.release_gradients(drop=False)
         if self.accumulate_fp32 or (accumulating and self.fp32_when_accumulating):
-            self.masters.accumulate_in_fp32(sync=sync and distributed())
+            # lazily, no zeros: a parameter no backward reached yet keeps no gradient (hooks see None, as under
+            # "16-mixed"), and one that this backward makes is a single micro-batch's, exact in the half format
+            self.masters.accumulate_in_fp32(sync=sync and distributed(), zeros=self.accumulate_fp32)
         finite = torch.isfinite(loss.detach()).all()
         self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         self.backward_scale = self.loss_scale
@@ -255,10 +274,12 @@ class MixedPrecisionEngine:
             self._skip(optimizer, pending)
             return None
         steps = self.masters.steps(optimizer, pending.grads)  # once, or once per chunk of parameters
+        self._stepping = True
         try:
             for _ in steps:
                 output = optimizer.step(closure=closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
         finally:
+            self._stepping = False
             steps.close()  # a failed step gives the optimizer its parameters back
         self._taken[optimizer] = pending.grads
         self.log.taken(pending.optimizer, pending.scale, pending.loss_finite)
@@ -300,12 +321,14 @@ class MixedPrecisionEngine:
             return result
 
         stepped = False
+        self._stepping = True
         try:
             output = optimizer.step(closure=wrapped, **kwargs)
             stepped = True
         except _SkippedStep:
             return None
         finally:
+            self._stepping = False
             pending = state["pending"]
             if pending is not None and pending.grads.entered:
                 self.masters.exit(optimizer, pending.grads, stepped=stepped)

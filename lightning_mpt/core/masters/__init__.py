@@ -143,6 +143,11 @@ class Masters(Protocol):
 
     dtype: torch.dtype  # the half format of the model's weights
 
+    @property
+    def separate(self) -> bool:
+        """The optimizer holds the half parameters between steps and the masters are tensors of their own: a step of
+        the optimizer outside the engine would update the half weights and bypass the masters."""
+
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
         """Set the module up: cast it to the half format, or take FSDP2's shards as the masters."""
 
@@ -176,7 +181,7 @@ class Masters(Protocol):
     def release(self, drop: bool) -> None:
         """Before a forward: free what the last step kept (``drop``: the module's gradients too)."""
 
-    def accumulate_in_fp32(self, sync: bool) -> None:
+    def accumulate_in_fp32(self, sync: bool, zeros: bool = True) -> None:
         """Before a backward: let it sum micro-batches in fp32 (``sync``: it reduces across processes)."""
 
     def master_of(self, param: Tensor) -> Tensor:

@@ -87,7 +87,7 @@ class WholeStep:
         """Put the parameters of ``optimizer`` that have a gradient into ``out`` (a master whose parameter has none
         gets none either, so the optimizer leaves it alone); a frozen one that has one now gets its master. Returns the
         plan and the half gradients of ``out.params``."""
-        if self.zeros:
+        if self.zeros.given:
             self.zeros.take_back_unused()
         plan = self.groups.plan(optimizer)
         if plan.frozen and self.owner.enabled:
@@ -226,9 +226,9 @@ class WholeStep:
         """Hand ``optimizer`` the masters for one whole step (the caller steps once) and take them back."""
         return whole_step(self.owner, optimizer, grads)
 
-    def accumulate_in_fp32(self, sync: bool) -> None:
+    def accumulate_in_fp32(self, sync: bool, zeros: bool = True) -> None:
         """:meth:`StandInZeros.accumulate_in_fp32` of the owner's masters."""
-        self.zeros.accumulate_in_fp32(self.owner.masters, sync)
+        self.zeros.accumulate_in_fp32(self.owner.masters, sync, zeros)
 
     def rescale(self, grads: Gradients, scale: float) -> None:
         """Before a backward: the unscaled gradients that ``grads`` left on its parameters (a step decided but not
@@ -286,7 +286,8 @@ class WholeStep:
         for i in range(len(self._kept)):  # by index: a loop variable would still hold a step's gradients below
             _release(self._kept[i], drop)
         self._kept.clear()
-        self.zeros.forget_replaced()  # the zeros a skip left that are no longer the gradients are gone
+        if self.zeros.given:  # the zeros a skip left that are no longer the gradients are gone
+            self.zeros.forget_replaced()
         self.groups.layouts.release()
 
 

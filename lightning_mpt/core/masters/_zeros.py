@@ -31,40 +31,39 @@ class StandInZeros:
 
     def __init__(self) -> None:
         # parameter -> zeros given to it as its gradient: their version then, or None where only a backward's
-        # accumulation counts (:meth:`accumulate_in_fp32`)
-        self._zeros: dict[Tensor, tuple[Tensor, Optional[int]]] = {}
+        # accumulation counts (:meth:`accumulate_in_fp32`); read by the step to skip these calls when empty
+        self.given: dict[Tensor, tuple[Tensor, Optional[int]]] = {}
         self._hooks: dict[Tensor, RemovableHandle] = {}  # the hooks that see a backward accumulate into a parameter
-
-    def __bool__(self) -> bool:
-        return bool(self._zeros)
 
     def give(self, param: Tensor, zeros: Tensor, track_version: bool) -> None:
         """Make ``zeros`` ``param``'s gradient, standing for none until written into: until its version counter
         moves (``track_version``), else until a backward accumulates into it."""
         param.grad = zeros
-        self._zeros[param] = (zeros, _compat.version(zeros) if track_version else None)
+        self.given[param] = (zeros, _compat.version(zeros) if track_version else None)
         if not track_version and param not in self._hooks:
             self._hooks[param] = param.register_post_accumulate_grad_hook(self._accumulated_into)
 
     def _accumulated_into(self, param: Tensor) -> None:
         """A backward accumulated into ``param``'s gradient: zeros given to it are a sum of gradients now."""
-        self._zeros.pop(param, None)
+        self.given.pop(param, None)
 
     def take_back_unused(self) -> None:
         """Take back the zeros that nothing wrote into (the parameter's gradient is ``None`` again)."""
-        for p, (zeros, version) in self._zeros.items():
+        for p, (zeros, version) in self.given.items():
             if p.grad is zeros and (version is None or _compat.version(zeros) == version):
                 p.grad = None
-        self._zeros.clear()
+        self.given.clear()
 
     def forget_replaced(self) -> None:
         """Forget the zeros that are no longer their parameter's gradient."""
-        if self._zeros:
-            self._zeros = {p: (z, v) for p, (z, v) in self._zeros.items() if p.grad is z}
+        if self.given:
+            self.given = {p: (z, v) for p, (z, v) in self.given.items() if p.grad is z}
 
-    def accumulate_in_fp32(self, masters: dict[Tensor, Tensor], sync: bool) -> None:
+    def accumulate_in_fp32(self, masters: dict[Tensor, Tensor], sync: bool, zeros: bool = True) -> None:
         """Before a backward: give the half parameters of ``masters`` fp32 gradients for autograd to accumulate into
-        (zeros at the start of a window), so micro-batches are summed in fp32, not in the half format (torch >= 2.13).
+        (``zeros``: zeros at the start of a window; else a parameter without a gradient keeps none, and one that a
+        backward makes is a single micro-batch's, exact in the half format), so micro-batches are summed in fp32, not
+        in the half format (torch >= 2.13).
 
         ``sync``: the backward reduces gradients across processes (DDP's last micro-batch); the reducer insists on
         the parameter's dtype, so the fp32 sum so far goes back to the half format, rounded once.
@@ -81,16 +80,16 @@ class StandInZeros:
             g = p.grad
             if sync:
                 p.grad = None if g is None else g.to(p.dtype)
-            elif g is None:
+            elif g is None and zeros:
                 # a backward's accumulation into them takes them off the list; nothing else does (a clip that
                 # multiplies every gradient in place leaves them zeros nothing was accumulated into)
                 self.give(p, torch.zeros_like(m), track_version=False)
-            elif g.dtype != torch.float32:
+            elif g is not None and g.dtype != torch.float32:
                 p.grad = g.float()
 
     def reset(self) -> None:
         """Forget every zero and remove the hooks."""
-        self._zeros.clear()
+        self.given.clear()
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()

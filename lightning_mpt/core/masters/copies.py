@@ -86,6 +86,11 @@ class CopyMasters:
 
             self.stepper = ChunkedStep(self, chunk)
 
+    @property
+    def separate(self) -> bool:
+        """Whether the masters are tensors of their own (not the half weights, stepped directly)."""
+        return self.enabled
+
     # ------------------------------------------------------------------ conversion
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
         """Cast ``module``'s parameters to half precision in place, keeping the fp32 tensors as masters.
@@ -267,5 +272,5 @@ class CopyMasters:
     def release(self, drop: bool) -> None:
         self.stepper.release(drop)
 
-    def accumulate_in_fp32(self, sync: bool) -> None:
-        self.stepper.accumulate_in_fp32(sync)
+    def accumulate_in_fp32(self, sync: bool, zeros: bool = True) -> None:
+        self.stepper.accumulate_in_fp32(sync, zeros)

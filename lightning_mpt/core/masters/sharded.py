@@ -298,6 +298,8 @@ class ShardedMasters:
         ```
     """
 
+    separate = False  # the optimizer holds the fp32 shards, the masters themselves
+
     def __init__(
         self,
         dtype: torch.dtype,
@@ -401,5 +403,5 @@ class ShardedMasters:
         if shards and scale != 1.0:
             _compat.foreach_mul_(shards, scale)
 
-    def accumulate_in_fp32(self, sync: bool) -> None:
+    def accumulate_in_fp32(self, sync: bool, zeros: bool = True) -> None:
         """Nothing to do: FSDP2 accumulates the reduce-scattered gradients in the fp32 shards already."""
