@@ -26,6 +26,25 @@ if TYPE_CHECKING:
 _DTYPE, _GRAD = attrgetter("dtype"), attrgetter("grad")
 _SPARSE = "MPTPrecision does not support sparse gradients; use dense embeddings (sparse=False)."
 
+#: the most elements a chunk of ``chunked_step=True`` holds: 64 MiB of fp32 gradients at a time
+DEFAULT_CHUNK = 2**24
+#: the fewest: below it a chunk's fixed cost (an optimizer call, a few foreach launches) outweighs what it saves
+MIN_CHUNK = 2**18
+
+
+def auto_chunk(numel: int) -> int:
+    """The elements per chunk of ``chunked_step=True`` for masters of ``numel`` elements in all: about a sixteenth of
+    the model (the step's peak then holds a sixteenth of its fp32 gradients and woken masters), between
+    :data:`MIN_CHUNK` and :data:`DEFAULT_CHUNK`.
+
+    Example:
+        ```python
+        assert auto_chunk(16 * 10**6) == 10**6  # a sixteenth
+        assert auto_chunk(10**9) == 2**24 and auto_chunk(3_450_000) == 2**18  # at most, at least
+        ```
+    """
+    return max(MIN_CHUNK, min(DEFAULT_CHUNK, -(-numel // 16)))
+
 
 class WholeStep:
     """The step of fp32 master copies taken whole: the verbs :meth:`prepare`, :meth:`enter`, :meth:`exit`,
@@ -51,6 +70,16 @@ class WholeStep:
         self.groups: GroupSwap = owner.groups
         self._kept: list[Gradients] = []  # steps whose masters keep their fp32 gradients until the next forward
         self.zeros = StandInZeros()  # zero gradients standing for none (fp32 accumulation, a skip's zero_grad)
+        self._sized: tuple[int, int] = (-1, MIN_CHUNK)  # (masters counted, :func:`auto_chunk` of them)
+
+    def auto_chunk(self) -> int:
+        """:func:`auto_chunk` of the owner's masters (counted again when masters are added or dropped)."""
+        masters = self.owner.masters
+        count, size = self._sized
+        if count != len(masters):
+            size = auto_chunk(sum(m.numel() for m in masters.values()))
+            self._sized = (len(masters), size)
+        return size
 
     def in_chunks(self, optimizer: Optimizer) -> bool:
         """A whole step is never chunked."""
@@ -69,11 +98,13 @@ class WholeStep:
         """
         out = Gradients(optimizer=optimizer)
         plan, halves = self.collect(optimizer, out)
-        unscale: list[Tensor] = []  # flat buffers of master gradients, or the gradients themselves
-        for start, stop in _chunks(out.params):
-            self._to_fp32(out, halves, start, stop, unscale)
-        if check_edits:
+        if check_edits:  # first: its scratch (the masters rounded) never adds to the fp32 gradients' peak
             self.owner.check_edits(out)
+        unscale: list[Tensor] = []  # flat buffers of master gradients, or the gradients themselves
+        for start, stop in _chunks(out.params, self.auto_chunk()):
+            self._to_fp32(out, halves, start, stop, unscale)
+            if _compat.GRAD_DTYPE:  # the parameters hold the fp32 ones: this range's half gradients are freed now
+                halves[start:stop] = repeat(None, stop - start)  # type: ignore[arg-type]
         unscale += [p.grad for p in out.own_params if p.grad is not None]
         out.found_inf = _unscale_(unscale, 1.0 / scale, plan.device)
         if not _compat.GRAD_DTYPE and out.on_params:
@@ -294,7 +325,7 @@ class WholeStep:
 def _chunks(params: list[Tensor], budget: int = 2**24) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` index ranges of ``params`` holding about ``budget`` elements each: the half gradients of one
     range are freed before the fp32 ones of the next are allocated, so the step's peak stays near 18 bytes per
-    parameter (plus one range), not 20."""
+    parameter (plus one range's half gradients), not 20."""
     start, size = 0, 0
     for i, p in enumerate(params):
         size += p.numel()

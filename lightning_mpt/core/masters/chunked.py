@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, params_of
-from lightning_mpt.core.masters._copy_step import WholeStep, _chunks, _unscale_
+from lightning_mpt.core.masters._copy_step import DEFAULT_CHUNK, MIN_CHUNK, WholeStep, _chunks, _unscale_, auto_chunk
 from lightning_mpt.core.masters.copies import CopyMasters
 
 __all__ = [
@@ -45,26 +45,6 @@ __all__ = [
     "auto_chunk",
     "chunkable",
 ]
-
-#: the most elements a chunk of ``chunked_step=True`` holds: 64 MiB of fp32 gradients at a time
-DEFAULT_CHUNK = 2**24
-#: the fewest: below it a chunk's fixed cost (an optimizer call, a few foreach launches) outweighs what it saves
-MIN_CHUNK = 2**18
-
-
-def auto_chunk(numel: int) -> int:
-    """The elements per chunk of ``chunked_step=True`` for masters of ``numel`` elements in all: about a sixteenth of
-    the model (the step's peak then holds a sixteenth of its fp32 gradients and woken masters), between
-    :data:`MIN_CHUNK` and :data:`DEFAULT_CHUNK`.
-
-    Example:
-        ```python
-        assert auto_chunk(16 * 10**6) == 10**6  # a sixteenth
-        assert auto_chunk(10**9) == 2**24 and auto_chunk(3_450_000) == 2**18  # at most, at least
-        ```
-    """
-    return max(MIN_CHUNK, min(DEFAULT_CHUNK, -(-numel // 16)))
-
 
 #: torch's optimizers whose update of a parameter reads only that parameter, its gradient and its state, so stepping
 #: the parameters in chunks gives the masters of one whole step, bitwise (exact classes: a subclass may differ)
@@ -214,7 +194,6 @@ class ChunkedStep(WholeStep):
         super().__init__(owner)
         self.warn_whole = True  # say when an optimizer cannot be stepped in chunks (off where chunks are a default)
         self.asked_chunk = chunk
-        self._auto: tuple[int, int] = (-1, MIN_CHUNK)  # (masters counted, chunk) of the latest auto size
         # per optimizer, its latest chunked step while no backward has come since: a step taken again clips alike
         self._last: dict[Optimizer, ChunkedGrads] = {}
         self._whole: set[int] = set()  # ids of the optimizers told that they are stepped whole
@@ -224,14 +203,7 @@ class ChunkedStep(WholeStep):
     @property
     def chunk(self) -> int:
         """Elements per chunk: as asked, or :func:`auto_chunk` of the masters (sized again when masters are added)."""
-        if self.asked_chunk != "auto":
-            return self.asked_chunk
-        masters = self.owner.masters
-        count, size = self._auto
-        if count != len(masters):
-            size = auto_chunk(sum(m.numel() for m in masters.values()))
-            self._auto = (len(masters), size)
-        return size
+        return self.auto_chunk() if self.asked_chunk == "auto" else self.asked_chunk
 
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         """Decide from the half gradients as they are: the non-finite flag (a fused check over all of them, their
