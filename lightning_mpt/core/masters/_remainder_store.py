@@ -234,19 +234,22 @@ class RemainderStore:
     def check(self) -> Tensor:
         """Which weights (in the layout's order) user code edited since their masters last slept, on the device: an
         edited weight's remainder is zeroed, so its master is the edited value exactly, and it is fingerprinted anew."""
-        flags = []
-        with torch.no_grad():
-            for k, chunk in enumerate(self.layout.chunks):
-                now = self._prints(k)
-                edited = torch.ne(now, self.prints[k]).any(1)
-                if edited.device.type != "cpu" or bool(edited.any()):  # a CPU reads it for free
-                    rem = self._slice(self.rem, k)
-                    for run in chunk.runs:
-                        at = run.first - chunk.first
-                        self.layout.rows(rem, run, chunk).masked_fill_(edited[at : at + run.count, None], 0)
-                self.prints[k] = now
-                flags.append(edited)
+        flags = [self.check_chunk(k) for k in range(len(self.layout.chunks))]
         return torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool)
+
+    def check_chunk(self, k: int) -> Tensor:
+        """:meth:`check` of chunk ``k``'s weights (asleep): their flags, on the device."""
+        chunk = self.layout.chunks[k]
+        with torch.no_grad():
+            now = self._prints(k)
+            edited = torch.ne(now, self.prints[k]).any(1)
+            if edited.device.type != "cpu" or bool(edited.any()):  # a CPU reads it for free
+                rem = self._slice(self.rem, k)
+                for run in chunk.runs:
+                    at = run.first - chunk.first
+                    self.layout.rows(rem, run, chunk).masked_fill_(edited[at : at + run.count, None], 0)
+            self.prints[k] = now
+        return edited
 
     def check_one(self, position: int) -> Tensor:
         """:meth:`check` of the weight at ``position`` alone (0-dim flag, on the device)."""

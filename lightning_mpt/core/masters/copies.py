@@ -236,7 +236,7 @@ class CopyMasters:
             out.edit_flags = flags
             out.edited = flags.any().reshape(1)
 
-    def wake(self, params: list[Tensor]) -> None:
+    def wake(self, params: list[Tensor], check: bool = True) -> None:
         """Before a chunk's step: make the masters of ``params`` hold their values (fp32 copies always do)."""
 
     def step_chunks(

@@ -182,13 +182,18 @@ class RemainderMasters(CopyMasters):
         chunk = self._chunk
         return {chunk[p] for p in params if p in chunk}
 
-    def wake(self, params: list[Tensor]) -> None:
+    def wake(self, params: list[Tensor], check: bool = True) -> None:
         """Rebuild the fp32 masters of the chunks holding those of ``params``; a master woken for a reader (and
-        maybe edited there) is taken as it is."""
+        maybe edited there) is taken as it is. ``check``: a weight edited since the step's decision (in
+        ``on_before_optimizer_step``, after ``fabric.clip_gradients``) becomes its master first, exactly, as at the
+        decision: its remainder belongs to the value before the edit, and joined with the edited weight would be
+        another number (a NaN where the edit zeroed a weight whose remainder is negative)."""
         for s, k in sorted(self._chunks_of(params)):
             store = self.stores[s]
             if k in store.awake:
                 continue
+            if check:
+                store.check_chunk(k)
             store.wake(k)
             chunk = store.layout.chunks[k]
             for p in store.params[chunk.first : chunk.stop]:
@@ -245,7 +250,7 @@ class RemainderMasters(CopyMasters):
         self._sleep_all()  # a step taken again, or decided again: from the weights and remainders as they are
         self._edited = self._check() if check_edits else None
         if not self.in_chunks(optimizer):  # the whole step reads every master of the optimizer
-            self.wake(params_of(optimizer))
+            self.wake(params_of(optimizer), check=False)  # checked just now
         return super().prepare(optimizer, scale, check_edits)
 
     def check_edits(self, out: Gradients) -> None:
@@ -260,7 +265,9 @@ class RemainderMasters(CopyMasters):
         others = [(p, self.held.get(p, m)) for p, m in others]
         with torch.no_grad():
             for p, m in others:
-                edited = bits_differ(split(m.detach())[0], p)
+                # a weight given data of another format (an fp32 tensor assigned to .data) is compared in it
+                rounded = split(m.detach())[0] if p.dtype == torch.bfloat16 else m.detach().to(p.dtype)
+                edited = bits_differ(rounded, p)
                 m.copy_(torch.where(edited, p.detach().float(), m))
                 flags.append(edited.reshape(1))
         noticed, self._noticed = self._noticed, []
