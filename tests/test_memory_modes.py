@@ -24,23 +24,13 @@ pytestmark = pytest.mark.slow
 
 TORCHAO = "mpt-bf16 + torchao AdamW8bit"
 KAHAN = "bf16-true + optimi AdamW Kahan"
+MODES = ("32-true", "16-mixed", "mpt-bf16", "mpt-fp16", KAHAN, TORCHAO)
 
 
 @pytest.fixture(scope="module")
 def table() -> dict[str, Any]:
     torch.set_num_threads(1)
-    return memory.main([
-        "--fast",
-        "--steps",
-        "2",
-        "--modes",
-        "32-true",
-        "16-mixed",
-        "mpt-bf16",
-        "mpt-fp16",
-        KAHAN,
-        TORCHAO,
-    ])
+    return memory.main(["--fast", "--steps", "2", "--modes", *MODES])
 
 
 def per_param(r: dict[str, int]) -> dict[str, float]:
@@ -50,14 +40,7 @@ def per_param(r: dict[str, int]) -> dict[str, float]:
 def test_every_mode_of_the_table_can_run_or_says_why_not(table: dict[str, Any]) -> None:
     if os.environ.get("MPT_REQUIRE_EXAMPLES"):  # `make test` installs .[dev]: every optimizer's package is there
         assert table["missing"] == {}
-    assert set(table["memory"]) | set(table["missing"]) == {
-        "32-true",
-        "16-mixed",
-        "mpt-bf16",
-        "mpt-fp16",
-        KAHAN,
-        TORCHAO,
-    }
+    assert set(table["memory"]) | set(table["missing"]) == set(MODES)
     assert len({m.name for m in memory.MODES}) == len(memory.MODES)
     assert {"32-true", "bf16-mixed", "bf16-true", "mpt-fp16", "mpt-bf16"} <= {m.name for m in memory.MODES}
 

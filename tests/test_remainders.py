@@ -367,23 +367,31 @@ def test_a_master_kept_past_its_chunks_sleep_stays_valid_and_the_chunk_moves_to_
     assert torch.equal(store.masters[0], torch.zeros(5, 3))
 
 
-class ZeroesBeforeTheStep(L.LightningModule):
-    """Zeroes a weight in ``on_before_optimizer_step`` (a pruning mask applied before the step), SGD at lr 0.2."""
+class TwoLayers(L.LightningModule):
+    """Two linear layers, SGD at learning rate ``lr``."""
 
-    def __init__(self) -> None:
+    def __init__(self, lr: float) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.lr = lr
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(self.b(torch.relu(self.a(x))).float(), y)
 
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class ZeroesBeforeTheStep(TwoLayers):
+    """Zeroes a weight in ``on_before_optimizer_step`` (a pruning mask applied before the step)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.2)
+
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         nn.init.zeros_(self.b.weight)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.2)
 
 
 @pytest.mark.parametrize("chunked", [None, 1])
@@ -405,24 +413,15 @@ def test_a_weight_edited_after_the_decision_is_stepped_from_its_edit(chunked):
     assert torch.allclose(ours.a.weight.float(), reference.a.weight.float(), atol=2e-3)
 
 
-class AssignsFp32Data(L.LightningModule):
+class AssignsFp32Data(TwoLayers):
     """Gives a weight new fp32 data after the first step (``p.data = tensor``), as code that reloads a layer does."""
 
     def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))).float(), y)
+        super().__init__(lr=0.1)
 
     def on_train_batch_end(self, *args: Any) -> None:
         if self.trainer.global_step == 1:
             self.b.weight.data = torch.full((4, 16), 0.01)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def test_a_weight_given_fp32_data_trains_from_it():
