@@ -138,9 +138,8 @@ class MixedPrecisionEngine:
                 f"MPTPrecision: {type(optimizer).__name__}.step() was called on the torch optimizer itself, outside "
                 "the precision plugin. Between steps it holds the half-precision parameters, so it would update them "
                 "directly, bypassing the fp32 masters (with fp16, by gradients still multiplied by the loss scale). "
-                "Step through the wrapper instead: in a LightningModule `self.optimizers()` (not "
-                "`use_pl_optimizer=False`) and `opt.step()`, or `self.trainer.strategy.optimizer_step(optimizer)`; "
-                "with Fabric the optimizer that `fabric.setup` returned."
+                "Step through the wrapper instead: in a LightningModule `opt = self.optimizers()` (not "
+                "`use_pl_optimizer=False`) and `opt.step()`; with Fabric the optimizer that `fabric.setup` returned."
             )
 
     def index_of(self, optimizer: Optimizer) -> Optional[int]:
