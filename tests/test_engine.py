@@ -280,9 +280,103 @@ def test_the_flat_edit_check_flags_each_edited_weight_and_gives_its_scratch_back
     master_of = dict(zip(params, masters))
     aligned = [master_of[p] for p in halves.params]
     assert len(halves.layout.chunks) == 3
-    assert check.flags(aligned) is None
+    flags, expected = check.flags(aligned)
+    assert flags is None
+    assert torch.equal(expected, halves.fingerprints())  # the masters rounded: what the weights are
     params[2].data[1, 1] += 1
     params[1].data[0] = -params[1].data[0]
-    edited = dict(zip(halves.params, check.flags(aligned).tolist()))
+    flags, again = check.flags(aligned)
+    edited = dict(zip(halves.params, flags.tolist()))
     assert [edited[p] for p in params] == [False, True, True, False]
+    assert torch.equal(again, expected)  # of the masters, whatever the weights hold
     assert check.scratch.untyped_storage().nbytes() == 0
+
+
+# ------------------------------------------------------------------------------------ the edit check's fingerprints
+
+
+def _fingerprinted_engine() -> tuple[MixedPrecisionEngine, nn.Module, list[list[str]]]:
+    """An engine whose edit check knows the weights' fingerprints (two steps taken)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    engine = MixedPrecisionEngine(CopyMasters(torch.float16), DynamicLossScaler(init_scale=8.0))
+    edited: list[list[str]] = []
+    engine.on_edits = edited.append
+    engine.convert(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for seed in range(2):
+        _engine_step(engine, model, opt, seed)
+        engine.release_gradients(drop=True)
+    assert engine.masters.edits._expected is not None
+    assert edited == []
+    model.opt = opt  # type: ignore[assignment]
+    return engine, model, edited
+
+
+def test_the_edit_check_by_fingerprints_finds_an_in_place_permutation():
+    """After a step the check compares the weights' fingerprints with those of the masters rounded: a permutation of a
+    weight's rows in place (same values, same sum; no new data pointer) is still found and adopted before the step."""
+    engine, model, edited = _fingerprinted_engine()
+    weight = model[1].weight
+    with torch.no_grad():
+        weight.copy_(weight.flip(0))
+    expected = weight.detach().float()
+    _engine_step(engine, model, model.opt, 5)
+    assert edited == [["1.weight"]]
+    master = engine.masters.master_of(weight)
+    # the step (SGD, lr 0.1) started from the edit (the weight unflipped is off by far more than a rounding)
+    torch.testing.assert_close(master + 0.1 * master.grad, expected, rtol=0, atol=1e-6)
+
+
+def test_a_state_dict_loaded_between_steps_keeps_its_exact_masters():
+    """Loading writes the masters exactly and the half weights rounded: not an edit. Counted as one, the masters would
+    take the rounded values."""
+    engine, model, edited = _fingerprinted_engine()
+    state = {k: v + 1e-2 * torch.randn_like(v) for k, v in model.state_dict().items()}  # fp16 rounds them
+    model.load_state_dict(state)
+    loss = model(torch.randn(4, 8, dtype=torch.float16)).float().pow(2).mean()
+    engine.scale_loss(loss).backward()
+    decided = engine.decide(model.opt)
+    assert edited == []
+    assert all(torch.equal(engine.masters.master_of(p), state[n]) for n, p in model.named_parameters())
+    engine.step(model.opt, decided)
+
+
+def test_an_edit_of_another_optimizers_weights_survives_this_optimizers_step():
+    """Each optimizer's step updates the fingerprints of the weights it wrote only: a weight of the second optimizer
+    edited before the first one steps is still found at the second one's check (GANs: the critic clamped)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    engine = MixedPrecisionEngine(CopyMasters(torch.float16), DynamicLossScaler(init_scale=8.0))
+    edited: list[list[str]] = []
+    engine.on_edits = edited.append
+    engine.convert(model)
+    opts = [torch.optim.SGD(model[i].parameters(), lr=0.1) for i in range(2)]
+    for seed in range(3):
+        if seed == 2:
+            with torch.no_grad():
+                model[1].weight.clamp_(-0.01, 0.01)  # the critic's clamp, before the generator's step
+        for opt in opts:
+            _engine_step(engine, model, opt, seed)
+        engine.release_gradients(drop=True)
+    assert edited == [["1.weight"]]  # missed when the first optimizer's write-back took every weight's fingerprint
+
+
+def test_a_master_edited_at_full_precision_and_copied_into_its_weight_is_not_rounded():
+    """The documented way to edit at full precision (docs/guarantees.md): the master, then its weight from it. The
+    weight's fingerprint changed, but it holds its master rounded: not an edit, and the master keeps its bits."""
+    engine, model, edited = _fingerprinted_engine()
+    weight = model[0].weight
+    master = engine.masters.master_of(weight)
+    with torch.no_grad():
+        master.mul_(1.0 + 1e-3)  # bits below fp16's resolution
+        weight.copy_(master)
+    exact = master.clone()
+    loss = model(torch.randn(4, 8, dtype=torch.float16)).float().pow(2).mean()
+    engine.scale_loss(loss).backward()
+    decided = engine.decide(model.opt)
+    assert edited == []
+    assert torch.equal(engine.masters.master_of(weight), exact)
+    engine.step(model.opt, decided)
+    engine.release_gradients(drop=True)
+    assert torch.equal(engine.masters.edits._expected, engine.masters.edits.flat()[0][0].fingerprints())

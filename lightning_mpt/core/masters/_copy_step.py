@@ -101,7 +101,14 @@ class WholeStep:
         if check_edits:  # first: its scratch (the masters rounded) never adds to the fp32 gradients' peak
             self.owner.check_edits(out)
         unscale: list[Tensor] = []  # flat buffers of master gradients, or the gradients themselves
-        for start, stop in _chunks(out.params, self.auto_chunk()):
+        budget = self.auto_chunk()
+        if len(out.params) == len(plan.params):  # the usual case, every one has a gradient: the ranges are the plan's
+            spans = plan.spans.get(budget)
+            if spans is None:
+                spans = plan.spans[budget] = list(_chunks(out.params, budget))
+        else:
+            spans = list(_chunks(out.params, budget))
+        for start, stop in spans:
             self._to_fp32(out, halves, start, stop, unscale)
             if _compat.GRAD_DTYPE:  # the parameters hold the fp32 ones: this range's half gradients are freed now
                 halves[start:stop] = repeat(None, stop - start)  # type: ignore[arg-type]

@@ -1,6 +1,14 @@
 """Noticing half weights that user code edited in place outside the optimizer step (a WGAN clamp,
 ``nn.Embedding(max_norm=...)``, a weight average copied in), so that the masters adopt the edits instead of the next
-refresh undoing them. A half weight was edited when it differs from its master rounded to the half format."""
+refresh undoing them. A half weight was edited when it differs from its master rounded to the half format.
+
+Rounding every master at every step is a pass over the masters per tensor; so once that check has run, the
+:func:`~lightning_mpt.core.masters._halves.fingerprints` of the weights as they should be (their masters rounded) are
+kept, updated where the step writes weights, and a later check compares the weights' fingerprints with them: a few
+kernels over the flat weights, whatever the number of tensors. A weight whose fingerprint differs is compared exactly
+on a CPU (no sync needed to know); on other devices it counts as edited (adopting an unedited weight changes nothing
+but its master's bits below the half format). Writing masters any other way (loading a checkpoint) forgets the
+fingerprints: the next check rounds every master again."""
 
 from __future__ import annotations
 
@@ -10,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpt import _compat
-from lightning_mpt.core.masters._halves import HalfWeights
+from lightning_mpt.core.masters._halves import HalfWeights, fingerprints, run_words
 
 
 def edited_pairs(pairs: list[tuple[Tensor, Tensor]], flags: list[float]) -> list[tuple[Tensor, Tensor]]:
@@ -63,7 +71,7 @@ class FlatEdits:
 
     Example:
         ```python
-        from lightning_mpt.core.masters._halves import HalfWeights
+        from lightning_mpt.core.masters._halves import HalfWeights, fingerprints, run_words
 
         masters = [torch.randn(3, 4), torch.randn(4)]
         params = [torch.nn.Parameter(m.half()) for m in masters]
@@ -71,9 +79,9 @@ class FlatEdits:
         check = FlatEdits(halves)
         master_of = dict(zip(params, masters))
         aligned = [master_of[p] for p in halves.params]  # the layout's order
-        assert check.flags(aligned) is None  # nothing edited (a CPU knows it without a flag per weight)
+        assert check.flags(aligned)[0] is None  # nothing edited (a CPU knows it without a flag per weight)
         params[0].data.clamp_(-0.1, 0.1)  # invisible to autograd's version counter
-        assert check.flags(aligned).tolist() == [p is params[0] for p in halves.params]
+        assert check.flags(aligned)[0].tolist() == [p is params[0] for p in halves.params]
         ```
     """
 
@@ -82,23 +90,26 @@ class FlatEdits:
         layout = halves.layout
         self.scratch = torch.empty(max(c.numel for c in layout.chunks), dtype=halves.dtype, device=halves.device)
         self.views = [layout.views(self.scratch, c) for c in layout.chunks]
+        self.words = [run_words(layout, self.scratch[: c.numel], c, alone=True) for c in layout.chunks]
         self._nbytes = self.scratch.untyped_storage().nbytes()
         self.scratch.untyped_storage().resize_(0)
 
-    def flags(self, masters: list[Tensor]) -> Optional[Tensor]:
-        """Whether each weight (in the layout's order) differs from its master (``masters``, aligned with it) rounded;
-        ``None`` on a CPU when none does."""
+    def flags(self, masters: list[Tensor]) -> tuple[Optional[Tensor], Tensor]:
+        """Whether each weight (in the layout's order) differs from its master (``masters``, aligned with it) rounded,
+        ``None`` on a CPU when none does; and the fingerprints of the masters rounded, ``(weights, 2)``."""
         halves, layout = self.halves, self.halves.layout
         cpu = halves.device.type == "cpu"
         storage = self.scratch.untyped_storage()
         storage.resize_(self._nbytes)
         parts: list[Tensor] = []
+        prints: list[Tensor] = []
         differ = False
         try:
             with torch.no_grad():
-                for chunk, views in zip(layout.chunks, self.views):
+                for chunk, views, words in zip(layout.chunks, self.views, self.words):
                     self.scratch[: chunk.numel].zero_()  # the unused ends of the slots, zero in the weights too
                     _compat.foreach_copy_(views, masters[chunk.first : chunk.stop])
+                    prints.append(fingerprints(words))
                     weights = halves.flat[chunk.offset : chunk.offset + chunk.numel].view(torch.int16)
                     rounded = self.scratch[: chunk.numel].view(torch.int16)
                     if cpu and _bits_equal(weights, rounded):  # the usual case: one comparison, stopped at a difference
@@ -109,9 +120,10 @@ class FlatEdits:
                     parts.extend(layout.rows(unequal, run, chunk).any(1) for run in chunk.runs)
         finally:
             storage.resize_(0)
+        expected = torch.cat(prints)
         if cpu and not differ:
-            return None
-        return torch.cat(parts)
+            return None, expected
+        return torch.cat(parts), expected
 
 
 class WeightEdits:
@@ -141,11 +153,19 @@ class WeightEdits:
         self._flat: Optional[list[tuple[HalfWeights, FlatEdits, list[Tensor]]]] = None
         self._where: dict[Tensor, int] = {}  # parameter -> its place in the flat weights, one device after another
         self._positions: dict[tuple[int, ...], tuple[Tensor, list[int]]] = {}
+        # the fingerprints the weights should have (their masters rounded), in the layout's order, while known; kept
+        # for the weights of one device only (several devices: every check rounds the masters)
+        self._expected: Optional[Tensor] = None
 
     def invalidate(self) -> None:
         """The masters changed: the weights are laid flat again at the next check."""
         self._flat = None
         self._positions.clear()
+        self._expected = None
+
+    def forget(self) -> None:
+        """Masters were written other than by the step (a checkpoint loaded): the next check rounds them all."""
+        self._expected = None
 
     def flat(self) -> list[tuple[HalfWeights, FlatEdits, list[Tensor]]]:
         """``(weights, their check, their masters in the layout's order)`` per device, laid out when first needed."""
@@ -165,6 +185,20 @@ class WeightEdits:
                     self._flat.append((halves, FlatEdits(halves), [self.masters[p] for p in halves.params]))
         return self._flat
 
+    def _positions_of(self, params: list[Tensor]) -> tuple[Tensor, list[int]]:
+        """``params``' places in the flat weights (on their device; a loose one counts after them), and the indices
+        into ``params`` of the loose ones, those not laid flat."""
+        key = tuple(map(id, params))
+        positions = self._positions.get(key)
+        if positions is None:
+            flat = self.flat()
+            n = len(self._where)
+            loose = [i for i, p in enumerate(params) if p not in self._where]
+            at = [self._where[p] if p in self._where else n + loose.index(i) for i, p in enumerate(params)]
+            device = flat[0][0].device if flat else params[0].device
+            positions = self._positions[key] = (torch.tensor(at, dtype=torch.long, device=device), loose)
+        return positions
+
     def flags(self, params: list[Tensor]) -> Optional[Tensor]:
         """Whether the half weight of each of ``params`` (each with a master) differs from its master rounded, on the
         device; ``None`` when none does and a CPU knows it without a flag per weight."""
@@ -174,21 +208,21 @@ class WeightEdits:
                 self.invalidate()
                 break
         flat = self.flat()
-        key = tuple(map(id, params))
-        positions = self._positions.get(key)
-        if positions is None:
-            n = len(self._where)
-            loose = [i for i, p in enumerate(params) if p not in self._where]
-            at = [self._where[p] if p in self._where else n + loose.index(i) for i, p in enumerate(params)]
-            device = flat[0][0].device if flat else params[0].device
-            positions = self._positions[key] = (torch.tensor(at, dtype=torch.long, device=device), loose)
-        index, loose = positions
+        index, loose = self._positions_of(params)
+        expected = self._expected
+        if expected is not None and not loose:  # one device: its fingerprints against the expected ones
+            halves = flat[0][0]
+            now = halves.fingerprints()
+            if halves.device.type == "cpu" and torch.equal(now, expected):  # the usual case (a GPU would sync)
+                return None
+            return (now != expected).any(1)[index]  # marked, confirmed by :meth:`adopt`
         parts = []
         edited = bool(loose)
         for _, edits, masters in flat:
-            part = edits.flags(masters)
+            part, expected = edits.flags(masters)
             parts.append(part)
             edited = edited or part is not None
+        self._expected = expected if len(flat) == 1 else None
         if not edited:
             return None
         device = index.device
@@ -198,3 +232,42 @@ class WeightEdits:
         ]
         every += [bits_differ(self.masters[params[i]].to(params[i].dtype), params[i]).to(device) for i in loose]
         return torch.cat([t.reshape(-1) for t in every])[index]
+
+    def adopt(self, pairs: list[tuple[Tensor, Tensor]], flags: list[float]) -> list[tuple[Tensor, Tensor]]:
+        """Copy into the masters the half weights of the ``(half weight, master)`` pairs that ``flags`` (host values of
+        :meth:`flags` for their weights) mark and that differ from their masters rounded; return those pairs. A marked
+        weight holds its master rounded then, which its fingerprint is expected to show from now on.
+
+        A fingerprint also changes where code wrote a weight and its master alike (the master edited at full precision,
+        then copied into the weight): one comparison per marked weight, read in one host sync, only when some are
+        marked, keeps such a master from being rounded."""
+        marked = edited_pairs(pairs, flags)
+        if not marked:
+            return []
+        device = marked[0][0].device
+        with torch.no_grad():
+            differ = torch.stack([bits_differ(m.to(p.dtype), p).to(device) for p, m in marked]).tolist()
+        edited = [pair for pair, d in zip(marked, differ) if d]
+        copy_into_masters(edited)
+        self._expect_as_now([p for p, _ in marked])
+        return edited
+
+    def _expect_as_now(self, params: list[Tensor]) -> None:
+        """The fingerprints of the weights of ``params`` now are those expected of them."""
+        expected = self._expected
+        if expected is None or self._flat is None:
+            return
+        index, loose = self._positions_of(params)
+        if loose:  # not laid flat any more (its data replaced): the next check rounds every master
+            self._expected = None
+            return
+        now = self._flat[0][0].fingerprints()
+        if len(params) == len(expected):  # every weight (each one once)
+            self._expected = now
+        else:
+            expected[index] = now[index]
+
+    def written(self, params: list[Tensor]) -> None:
+        """The half weights of ``params`` were just written from their masters: what they should be is what they are."""
+        if params:
+            self._expect_as_now(params)

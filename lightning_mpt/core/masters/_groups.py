@@ -28,6 +28,7 @@ class GroupPlan:
     pairs: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (parameter, master) of every slot
     params: list[Tensor] = field(default_factory=list)  # the pairs' parameters
     masters: list[Tensor] = field(default_factory=list)  # and their masters
+    spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # budget -> index ranges of ``params``
 
 
 class _ByMasters(defaultdict):  # type: ignore[type-arg]

@@ -184,6 +184,26 @@ class ChunkLayout:
         return flat[start : start + run.count * run.numel].view(run.count, run.numel)
 
 
+def run_words(layout: ChunkLayout, flat: Tensor, chunk: Chunk, alone: bool = False) -> list[Tensor]:
+    """Each run of ``chunk`` as ``(count, words)`` int64 rows of ``flat``'s 2-byte values, the input of
+    :func:`fingerprints`: ``flat`` is the whole buffer, or (``alone``) one holding ``chunk`` alone from its start.
+
+    Example:
+        ```python
+        layout = ChunkLayout([torch.zeros(8), torch.zeros(3)], chunk=100)
+        words = run_words(layout, torch.zeros(layout.numel, dtype=torch.float16), layout.chunks[0])
+        assert [tuple(w.shape) for w in words] == [(1, 1), (1, 2)]
+        ```
+    """
+    bits = flat.view(torch.int16)
+    return [
+        layout.rows(bits, run, chunk if alone else None).view(torch.int64)
+        if run.numel
+        else torch.zeros(run.count, 0, dtype=torch.int64, device=flat.device)  # empty tensors: no words to view
+        for run in chunk.runs
+    ]
+
+
 def _dense_strides(t: Tensor) -> tuple[int, ...]:
     """``t``'s strides where a view of a flat buffer can have them (a dense memory format), else contiguous ones."""
     for memory_format in _DENSE_FORMATS:
@@ -219,14 +239,9 @@ class HalfWeights:
                 view.copy_(p.detach())
                 p.data = view  # same dtype and device: the parameter keeps its accumulator, hooks and version
         self._pointers = list(map(Tensor.data_ptr, self.params))
-        bits = self.flat.view(torch.int16)
         # per chunk, each run's weights as rows of 8-byte words: views made once, for the fingerprints
-        self._words = [[self._run_words(bits, run) for run in c.runs] for c in self.layout.chunks]
-
-    def _run_words(self, bits: Tensor, run: Run) -> Tensor:
-        if not run.numel:  # empty tensors: no words (a view would have no stride to read words by)
-            return torch.zeros(run.count, 0, dtype=torch.int64, device=bits.device)
-        return self.layout.rows(bits, run).view(torch.int64)
+        self._words = [run_words(self.layout, self.flat, c) for c in self.layout.chunks]
+        self._all_words = [words for chunk in self._words for words in chunk]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -236,9 +251,10 @@ class HalfWeights:
     def device(self) -> torch.device:
         return self.flat.device
 
-    def fingerprints(self, k: int) -> Tensor:
-        """The :func:`fingerprints` of chunk ``k``'s weights, in the layout's order: ``(weights, 2)``."""
-        return fingerprints(self._words[k])
+    def fingerprints(self, k: Optional[int] = None) -> Tensor:
+        """The :func:`fingerprints` of chunk ``k``'s weights (of every weight: ``None``), in the layout's order:
+        ``(weights, 2)``."""
+        return fingerprints(self._all_words if k is None else self._words[k])
 
     def pointer(self, position: int) -> int:
         """The data pointer of the parameter at ``position``'s view."""

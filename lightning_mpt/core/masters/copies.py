@@ -29,7 +29,7 @@ from lightning_mpt import _compat
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, HALF_DTYPES, Gradients, distributed
 from lightning_mpt.core.masters._conversion import convert_module, exact_state, restore_module
 from lightning_mpt.core.masters._copy_step import WholeStep, _by_device, _chunks, _write_halves
-from lightning_mpt.core.masters._edits import WeightEdits, copy_into_masters, edited_pairs
+from lightning_mpt.core.masters._edits import WeightEdits
 from lightning_mpt.core.masters._groups import GroupSwap
 
 __all__ = ["CopyMasters"]
@@ -144,6 +144,7 @@ class CopyMasters:
         """Load ``value`` into the master of ``param`` exactly; returns the half value the module should load for
         ``param`` in place of ``value``'s own rounding (``None``: that rounding)."""
         self.masters[param].copy_(value)
+        self.edits.forget()  # the half weight is loaded apart: round the masters at the next check
         return None
 
     def name_of(self, param: Tensor) -> str:
@@ -177,6 +178,8 @@ class CopyMasters:
                 )
         if refresh:
             self.refresh()
+        else:  # the half weights came from rank ``src`` as well: round the masters at the next check
+            self.edits.forget()
 
     def refresh(self) -> None:
         """Write the masters into the half weights."""
@@ -207,26 +210,26 @@ class CopyMasters:
         since the last step; return their names."""
         if grads.edit_flags is not None and any(flags):  # which ones: read only when one was (a second sync)
             flags = grads.edit_flags.tolist()
-        edited = edited_pairs(list(zip(grads.params, grads.masters)), flags)
-        copy_into_masters(edited)
+        edited = self.edits.adopt(list(zip(grads.params, grads.masters)), flags)
         return [self.name_of(p) for p, _ in edited]
 
     def absorb_all_edits(self) -> list[str]:
         """Check every converted parameter for an edit of its half weight (one host sync) and adopt what is found."""
         pairs = [(p, m) for p, m in self.masters.items() if p.shape == m.shape]
         flags = self.edits.flags([p for p, _ in pairs]) if pairs else None
-        edited = [] if flags is None else edited_pairs(pairs, flags.tolist())
-        copy_into_masters(edited)
+        edited = [] if flags is None else self.edits.adopt(pairs, flags.tolist())
         return [self.name_of(p) for p, _ in edited]
 
     # ------------------------------------------------------------------ the half weights
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """Round ``masters`` into their half parameters ``params``."""
         _write_halves(params, masters)
+        self.edits.written(params)
 
     def write_back(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """After a step: the stepped ``masters`` go back into storage, their half weights refreshed."""
         _write_halves(params, masters)
+        self.edits.written(params)
 
     def check_edits(self, out: Gradients) -> None:
         """Flag the half weights of ``out.params`` that user code edited since their masters were last written:
