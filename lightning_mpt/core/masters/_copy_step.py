@@ -110,8 +110,10 @@ class WholeStep:
             spans = list(_chunks(out.params, budget))
         for start, stop in spans:
             self._to_fp32(out, halves, start, stop, unscale)
-            if _compat.GRAD_DTYPE:  # the parameters hold the fp32 ones: this range's half gradients are freed now
+            if _compat.GRAD_DTYPE and stop < len(halves):  # the parameters hold the fp32 ones: free this range's
                 halves[start:stop] = repeat(None, stop - start)  # type: ignore[arg-type]
+        if _compat.GRAD_DTYPE:
+            halves.clear()  # the last range's half gradients
         unscale += [p.grad for p in out.own_params if p.grad is not None]
         out.found_inf = _unscale_(unscale, 1.0 / scale, plan.device)
         if not _compat.GRAD_DTYPE and out.on_params:
@@ -170,7 +172,7 @@ class WholeStep:
         exact = self._kept_exactly() if self._kept and not _compat.GRAD_DTYPE else {}
         usual = (
             not exact
-            and list(map(_DTYPE, halves)) == list(map(_DTYPE, params))
+            and all(map(is_, map(_DTYPE, halves), map(_DTYPE, params)))
             and all(map(Tensor.is_contiguous, halves))
         )
         if not usual and any(g.is_sparse for g in halves):
