@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -21,16 +20,8 @@ from torch.optim import Optimizer
 from lightning_mpt._compat import GRAD_DTYPE
 from lightning_mpt._fp8_plugin import Float8Plugin
 from lightning_mpt._gradscaler import is_gradscaler_state, take_over
-from lightning_mpt.core.config import (
-    LIGHTNING_NAMES,
-    Fp8Options,
-    MasterOptions,
-    SkipPolicy,
-    check_arguments,
-    check_overflow_retries,
-)
+from lightning_mpt.core.config import LIGHTNING_NAMES, MasterOptions, SkipPolicy, read_arguments
 from lightning_mpt.core.engine import MixedPrecisionEngine
-from lightning_mpt.core.fp8 import check_fp8
 from lightning_mpt.core.masters import Masters, params_of
 from lightning_mpt.core.masters.build import build_masters
 from lightning_mpt.core.scaler import DynamicLossScaler
@@ -73,85 +64,30 @@ class MixedPrecisionPlugin(Float8Plugin):
     skips: SkipPolicy
     overflow_retries: int
 
-    def _init_plugin(
-        self,
-        precision: Any,
-        scaler: Any,
-        master_weights: Any,
-        keep_fp32: Any,
-        max_consecutive_skips: Any,
-        accumulate_fp32: Any,
-        skipped_steps_advance_schedulers: Any = True,
-        fp8: Any = None,
-        fp8_filter: Any = None,
-        fp8_emulate: Any = False,
-        chunked_step: Any = None,
-        master_remainders: Any = None,
-        masters: Any = None,
-        overflow_retries: Any = 0,
-        skips: Any = None,
-    ) -> None:
-        """The plugins' ``__init__``: check the arguments (a clear error for each), keep them, build the engine."""
-        if masters is not None:
-            master_weights, master_remainders, chunked_step, accumulate_fp32 = _grouped(
-                "masters",
-                masters,
-                MasterOptions,
-                "MasterOptions(remainders=False, chunk=2**22)",
-                (
-                    ("master_weights", master_weights, True),
-                    ("master_remainders", master_remainders, None),
-                    ("chunked_step", chunked_step, None),
-                    ("accumulate_fp32", accumulate_fp32, False),
-                ),
-            )
-        if skips is not None:
-            max_consecutive_skips, overflow_retries, skipped_steps_advance_schedulers = _grouped(
-                "skips",
-                skips,
-                SkipPolicy,
-                "SkipPolicy(max_consecutive=100, advance_schedulers=False)",
-                (
-                    ("max_consecutive_skips", max_consecutive_skips, 50),
-                    ("overflow_retries", overflow_retries, 0),
-                    ("skipped_steps_advance_schedulers", skipped_steps_advance_schedulers, True),
-                ),
-            )
-        if not isinstance(skipped_steps_advance_schedulers, bool):
-            raise TypeError(
-                f"MPTPrecision(skipped_steps_advance_schedulers={skipped_steps_advance_schedulers!r}): expected a bool "
-                "(True: a skipped step counts for the LR schedulers, as in Lightning; False: it does not, as in "
-                "Megatron-LM and DeepSpeed)."
-            )
-        dtype, checked_scaler, kept = check_arguments(
-            precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
-        )
-        if isinstance(fp8, Fp8Options):
-            fp8, fp8_filter, fp8_emulate = _grouped(
-                "fp8",
-                fp8,
-                Fp8Options,
-                "Fp8Options('rowwise', emulate=True)",
-                (("fp8_filter", fp8_filter, None), ("fp8_emulate", fp8_emulate, False)),
-            )
-        self._fp8 = check_fp8(fp8, fp8_filter, precision, fp8_emulate)
+    def _init_plugin(self, precision: Any, *arguments: Any) -> None:
+        """The plugins' ``__init__``: check the arguments (those of :func:`read_arguments`, in its order; a clear error
+        for each), keep them, build the engine."""
+        args = read_arguments(precision, *arguments)
+        dtype, self.skips = args.dtype, args.skips  # the skip options as they apply
+        self._fp8 = args.fp8
         self.precision = LIGHTNING_NAMES[precision]
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # autocast device type; set from the module
-        self.master_weights = master_weights
-        self.keep_fp32 = kept
-        self.max_consecutive_skips = max_consecutive_skips
-        self.accumulate_fp32 = accumulate_fp32
-        self.skipped_steps_advance_schedulers = skipped_steps_advance_schedulers
+        self.master_weights = args.masters.enabled
+        self.keep_fp32 = args.keep_fp32
+        self.max_consecutive_skips = args.skips.max_consecutive
+        self.accumulate_fp32 = args.masters.accumulate_fp32
+        self.skipped_steps_advance_schedulers = args.skips.advance_schedulers
+        self.overflow_retries = args.skips.retries
         self._dtype = dtype
         self._reported_edits = set()
         # the options as given (None: the format's default, which FSDP2 resolves its own way) and as they apply here
-        self._given = MasterOptions(master_weights, master_remainders, chunked_step, accumulate_fp32)
+        self._given = args.masters
         self.options = self._given.resolved(dtype)
         self._engine = MixedPrecisionEngine(
-            build_masters(self.options, dtype, kept, chunks_asked=self._given.chunk is not None),
-            checked_scaler,
-            max_consecutive_skips,
-            accumulate_fp32,
+            build_masters(self.options, dtype, args.keep_fp32, chunks_asked=self._given.chunk is not None),
+            args.scaler,
+            self.max_consecutive_skips,
+            self.accumulate_fp32,
             on_edits=self._report_edits,
             # fp16's whole step holds fp32 gradients anyway: summing micro-batches in fp32 costs nothing at its peak
             # and keeps a scaled sum from overflowing where "16-mixed" (fp32 gradients) does not
@@ -161,10 +97,7 @@ class MixedPrecisionPlugin(Float8Plugin):
             and not self.options.chunk
             and not self.options.remainders,
         )
-        self._engine.log.gate = ScheduleGate(enabled=not skipped_steps_advance_schedulers)
-        self.overflow_retries = check_overflow_retries(overflow_retries, checked_scaler)
-        # the skip options as they apply
-        self.skips = SkipPolicy(max_consecutive_skips, self.overflow_retries, skipped_steps_advance_schedulers)
+        self._engine.log.gate = ScheduleGate(enabled=not self.skipped_steps_advance_schedulers)
 
     @property
     def chunked_step(self) -> Union[bool, int]:
@@ -380,24 +313,6 @@ class MixedPrecisionPlugin(Float8Plugin):
         memory = (("chunked_step", self._given.chunk), ("master_remainders", self._given.remainders))
         chosen = "".join(f", {option}={value!r}" for option, value in memory if value is not None)  # as given
         return f"{type(self).__name__}({name!r}, scaler={self.scaler!r}, master_weights={self.master_weights}{chosen})"
-
-
-def _grouped(argument: str, options: Any, cls: type, example: str, singles: tuple[tuple[str, Any, Any], ...]) -> Any:
-    """The fields of ``MPTPrecision(<argument>=cls(...))``, in their order; the single arguments that stand for them
-    (``(name, value, default)``) must be left at their defaults."""
-    if not isinstance(options, cls):
-        raise TypeError(
-            f"MPTPrecision({argument}={options!r}): expected a lightning_mpt.{cls.__name__}, e.g. {example}."
-        )
-    # a default given explicitly (max_consecutive_skips=50) is no conflict; True for 1 or 0 for False would be
-    given = [name for name, value, unset in singles if not (type(value) is type(unset) and value == unset)]
-    if given:
-        names = ", ".join(f.name for f in fields(cls))
-        raise ValueError(
-            f"MPTPrecision({argument}={cls.__name__}(...), {', '.join(f'{n}=...' for n in given)}): give these options "
-            f"once, in {cls.__name__} ({names}) or as single arguments."
-        )
-    return tuple(getattr(options, f.name) for f in fields(cls))
 
 
 def unwrap(optimizer: Any) -> Any:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, Optional, Union
 
 import torch
 from torch.nn import Module
 
 from lightning_mpt._compat import GRAD_DTYPE
+from lightning_mpt.core.fp8 import Float8Setup, check_fp8
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
 from lightning_mpt.core.scaler import DynamicLossScaler
 
@@ -224,3 +225,121 @@ def check_overflow_retries(overflow_retries: Any, scaler: Optional[DynamicLossSc
             "needs a dynamic loss scale (fp16 with scaler=None or a DynamicLossScaler), not a static or no scale."
         )
     return overflow_retries
+
+
+@dataclass(frozen=True)
+class PluginArguments:
+    """The plugins' arguments, checked and grouped (:func:`read_arguments`).
+
+    Args:
+        dtype: the half format.
+        scaler: the loss scaler (``None``: no scaling).
+        keep_fp32: the module types whose parameters stay fp32.
+        masters: the masters' options as given (``None``: the format's default, which FSDP2 resolves its own way).
+        skips: what a skipped step does, ``retries`` checked against the scaler.
+        fp8: the fp8 conversion (``None``: off).
+
+    Example:
+        ```python
+        args = read_arguments("bf16", skips=SkipPolicy(max_consecutive=10))
+        assert args.dtype == torch.bfloat16 and args.scaler is None and args.skips.max_consecutive == 10
+        ```
+    """
+
+    dtype: torch.dtype
+    scaler: Optional[DynamicLossScaler]
+    keep_fp32: tuple[type[Module], ...]
+    masters: MasterOptions
+    skips: SkipPolicy
+    fp8: Optional[Float8Setup]
+
+
+def read_arguments(
+    precision: Any,
+    scaler: Any = None,
+    master_weights: Any = True,
+    keep_fp32: Any = DEFAULT_KEEP_FP32,
+    max_consecutive_skips: Any = 50,
+    accumulate_fp32: Any = False,
+    skipped_steps_advance_schedulers: Any = True,
+    fp8: Any = None,
+    fp8_filter: Any = None,
+    fp8_emulate: Any = False,
+    chunked_step: Any = None,
+    master_remainders: Any = None,
+    masters: Any = None,
+    overflow_retries: Any = 0,
+    skips: Any = None,
+) -> PluginArguments:
+    """Check the plugins' arguments (a clear error for each, saying what is accepted) and group them: the grouped
+    options (``masters=MasterOptions(...)``, ``skips=SkipPolicy(...)``, ``fp8=Fp8Options(...)``) or the single
+    arguments that stand for their fields, never both."""
+    if masters is not None:
+        master_weights, master_remainders, chunked_step, accumulate_fp32 = _grouped(
+            "masters",
+            masters,
+            MasterOptions,
+            "MasterOptions(remainders=False, chunk=2**22)",
+            (
+                ("master_weights", master_weights, True),
+                ("master_remainders", master_remainders, None),
+                ("chunked_step", chunked_step, None),
+                ("accumulate_fp32", accumulate_fp32, False),
+            ),
+        )
+    if skips is not None:
+        max_consecutive_skips, overflow_retries, skipped_steps_advance_schedulers = _grouped(
+            "skips",
+            skips,
+            SkipPolicy,
+            "SkipPolicy(max_consecutive=100, advance_schedulers=False)",
+            (
+                ("max_consecutive_skips", max_consecutive_skips, 50),
+                ("overflow_retries", overflow_retries, 0),
+                ("skipped_steps_advance_schedulers", skipped_steps_advance_schedulers, True),
+            ),
+        )
+    if not isinstance(skipped_steps_advance_schedulers, bool):
+        raise TypeError(
+            f"MPTPrecision(skipped_steps_advance_schedulers={skipped_steps_advance_schedulers!r}): expected a bool "
+            "(True: a skipped step counts for the LR schedulers, as in Lightning; False: it does not, as in "
+            "Megatron-LM and DeepSpeed)."
+        )
+    dtype, checked_scaler, kept = check_arguments(
+        precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
+    )
+    if isinstance(fp8, Fp8Options):
+        fp8, fp8_filter, fp8_emulate = _grouped(
+            "fp8",
+            fp8,
+            Fp8Options,
+            "Fp8Options('rowwise', emulate=True)",
+            (("fp8_filter", fp8_filter, None), ("fp8_emulate", fp8_emulate, False)),
+        )
+    retries = check_overflow_retries(overflow_retries, checked_scaler)
+    return PluginArguments(
+        dtype,
+        checked_scaler,
+        kept,
+        MasterOptions(master_weights, master_remainders, chunked_step, accumulate_fp32),
+        SkipPolicy(max_consecutive_skips, retries, skipped_steps_advance_schedulers),
+        check_fp8(fp8, fp8_filter, precision, fp8_emulate),
+    )
+
+
+def _grouped(argument: str, options: Any, cls: type, example: str, singles: tuple[tuple[str, Any, Any], ...]) -> Any:
+    """The fields of ``MPTPrecision(<argument>=cls(...))``, in their order; the single arguments that stand for them
+    (``(name, value, default)``) must be left at their defaults."""
+    if not isinstance(options, cls):
+        raise TypeError(
+            f"MPTPrecision({argument}={options!r}): expected a lightning_mpt.{cls.__name__}, e.g. {example}."
+        )
+    # a default given explicitly (max_consecutive_skips=50) is no conflict; True for 1 or 0 for False would be
+    given = [name for name, value, unset in singles if not (type(value) is type(unset) and value == unset)]
+    if given:
+        names = ", ".join(f.name for f in fields(cls))
+        raise ValueError(
+            f"MPTPrecision({argument}={cls.__name__}(...), {', '.join(f'{n}=...' for n in given)}): give these options "
+            f"once, in {cls.__name__} ({names}) or as single arguments."
+        )
+    return tuple(getattr(options, f.name) for f in fields(cls))
