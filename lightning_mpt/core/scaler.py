@@ -30,41 +30,24 @@ nonzero gradient.
 from __future__ import annotations
 
 import math
-import numbers
-import struct
-import warnings
 from typing import Any, Literal, Union
 
 from torch import Tensor
 
+from lightning_mpt.core._scaler_checks import (
+    CONFIG_KEYS,
+    STATE_KEYS,
+    check,
+    checked_config,
+    checked_state,
+    f32,
+    is_int,
+    is_real,
+)
+
 #: ``init_scale="auto"`` keeps this factor below the largest safe scale it measured: later batches' gradients, and
 #: activation gradients inside the backward, may exceed the first batch's largest parameter gradient
 AUTO_MARGIN = 8.0
-
-_STATE_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")
-_CONFIG_KEYS = (
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "consecutive_hysteresis",
-    "min_scale",
-    "max_scale",
-)
-_GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_ACCEPTED = (
-    f"accepted: a dict from DynamicLossScaler.state_dict() (keys {list(_STATE_KEYS + _CONFIG_KEYS)}; "
-    f"'scale' and 'growth_tracker' required) or from torch.amp.GradScaler.state_dict() (keys {list(_GRADSCALER_KEYS)})"
-)
-# native byte order: a plain C cast to float (round to nearest even, inf beyond float32's range), where the
-# standard sizes ('<f') would raise OverflowError instead
-_FLOAT32 = struct.Struct("f")
-
-
-def _f32(x: float) -> float:
-    """``x`` rounded to the nearest float32, as ``torch.tensor(x, dtype=torch.float32).item()`` (15x cheaper)."""
-    value: float = _FLOAT32.unpack(_FLOAT32.pack(x))[0]
-    return value
 
 
 class DynamicLossScaler:
@@ -105,7 +88,7 @@ class DynamicLossScaler:
         *,
         consecutive_hysteresis: bool = False,
     ) -> None:
-        config = _checked_config(
+        config = checked_config(
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
@@ -116,21 +99,21 @@ class DynamicLossScaler:
         )
         self._measuring = init_scale == "auto"
         if self._measuring:
-            _check(
+            check(
                 config["min_scale"] < config["max_scale"],
                 f"init_scale='auto' needs room to choose: min_scale ({min_scale!r}) < max_scale ({max_scale!r})",
             )
             init_scale = min(max(1.0, config["min_scale"]), config["max_scale"])  # the measuring scale
-        _check(
-            _is_real(init_scale),
+        check(
+            is_real(init_scale),
             f"init_scale must be a finite number > 0 or 'auto', got {init_scale!r}",
         )
-        scale = _f32(float(init_scale))
-        _check(
+        scale = f32(float(init_scale))
+        check(
             math.isfinite(scale) and scale > 0,
             f"init_scale must be a finite number > 0 within float32's range, got {init_scale!r}",
         )
-        _check(
+        check(
             config["min_scale"] <= scale <= config["max_scale"],
             f"init_scale ({init_scale!r}) must lie in [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]",
         )
@@ -193,12 +176,12 @@ class DynamicLossScaler:
             assert not scaler.measuring and scaler.growth_tracker == 1
             ```
         """
-        _check(
-            _is_real(amax) and math.isfinite(amax) and amax > 0,
+        check(
+            is_real(amax) and math.isfinite(amax) and amax > 0,
             f"DynamicLossScaler.choose: amax must be a finite number > 0, got {amax!r}",
         )
         safe = 2.0 ** math.floor(math.log2(max_finite / amax)) / AUTO_MARGIN
-        self._scale = min(max(_f32(safe), self.min_scale), self.max_scale)
+        self._scale = min(max(f32(safe), self.min_scale), self.max_scale)
         self._measuring = False
         return self._scale
 
@@ -227,13 +210,13 @@ class DynamicLossScaler:
             found_inf = bool(found_inf.item())
         if self._measuring:  # nothing measured: back the measuring scale off on an overflow, count nothing
             if found_inf:
-                self._scale = max(_f32(self._scale * self.backoff_factor), self.min_scale)
+                self._scale = max(f32(self._scale * self.backoff_factor), self.min_scale)
             return
         if found_inf:
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1
             if self._hysteresis_tracker <= 0:
-                self._scale = max(_f32(self._scale * self.backoff_factor), self.min_scale)
+                self._scale = max(f32(self._scale * self.backoff_factor), self.min_scale)
             return
         if self.consecutive_hysteresis:
             self._hysteresis_tracker = self.hysteresis
@@ -241,7 +224,7 @@ class DynamicLossScaler:
         if self._growth_tracker >= self.growth_interval:
             self._growth_tracker = 0
             self._hysteresis_tracker = self.hysteresis
-            grown = min(_f32(self._scale * self.growth_factor), self.max_scale)
+            grown = min(f32(self._scale * self.growth_factor), self.max_scale)
             if grown != math.inf:  # as GradScaler: a growth past float32's range is dropped
                 self._scale = grown
 
@@ -255,8 +238,8 @@ class DynamicLossScaler:
             assert other.scale == 8.0
             ```
         """
-        state = {k: getattr(self, "_" + k) for k in _STATE_KEYS}
-        state.update({k: getattr(self, k) for k in _CONFIG_KEYS})
+        state = {k: getattr(self, "_" + k) for k in STATE_KEYS}
+        state.update({k: getattr(self, k) for k in CONFIG_KEYS})
         if self._measuring:  # a run saved before its scale was measured measures on resume
             state["measuring"] = True
         return state
@@ -293,37 +276,15 @@ class DynamicLossScaler:
             assert scaler.scale == 2.0**20 and "above max_scale" in str(caught[0].message)
             ```
         """
-        name = f"{type(self).__name__}.load_state_dict"
-        if not state_dict:
-            raise KeyError(f"{name}: the state dict is empty (a disabled GradScaler's is); {_ACCEPTED}")
-        gradscaler = "_growth_tracker" in state_dict
-        required = _GRADSCALER_KEYS if gradscaler else ("scale", "growth_tracker")
-        missing = [k for k in required if k not in state_dict]
-        if missing:
-            raise KeyError(f"{name}: missing keys {missing} (got {sorted(state_dict)}); {_ACCEPTED}")
-        config = {k: state_dict.get(k, getattr(self, k)) for k in _CONFIG_KEYS}
-        try:
-            config = _checked_config(**config)
-        except ValueError as error:
-            raise ValueError(f"{name}: {error}") from None
-        growth_tracker = state_dict["_growth_tracker" if gradscaler else "growth_tracker"]
-        _check(
-            _is_int(growth_tracker) and growth_tracker >= 0,
-            f"{name}: growth_tracker must be an int >= 0, got {growth_tracker!r}",
+        state = checked_state(
+            state_dict, {k: getattr(self, k) for k in CONFIG_KEYS}, f"{type(self).__name__}.load_state_dict"
         )
-        h = config["hysteresis"]
-        hysteresis_tracker = h if gradscaler else state_dict.get("hysteresis_tracker", h)
-        _check(
-            _is_int(hysteresis_tracker) and hysteresis_tracker <= h,
-            f"{name}: hysteresis_tracker must be an int <= hysteresis ({h}), got {hysteresis_tracker!r}",
-        )
-        scale = _loaded_scale(state_dict["scale"], config["min_scale"], config["max_scale"], name)
-        for k, v in config.items():
-            setattr(self, k, v)
-        self._scale = scale
-        self._growth_tracker = int(growth_tracker)
-        self._hysteresis_tracker = int(hysteresis_tracker)
-        self._measuring = state_dict.get("measuring") is True  # a measured scale is never measured again
+        for k in CONFIG_KEYS:
+            setattr(self, k, state[k])
+        self._scale = state["scale"]
+        self._growth_tracker = state["growth_tracker"]
+        self._hysteresis_tracker = state["hysteresis_tracker"]
+        self._measuring = state["measuring"]
 
     def restore_state(self, state_dict: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """Restore the scale and the trackers of ``state_dict`` and keep this scaler's configuration (a resumed run
@@ -351,98 +312,19 @@ class DynamicLossScaler:
             ```
         """
         name = f"{type(self).__name__}.restore_state"
-        kept = {k: getattr(self, k) for k in _CONFIG_KEYS}
+        kept = {k: getattr(self, k) for k in CONFIG_KEYS}
         try:
-            saved = _checked_config(**{**kept, **{k: state_dict[k] for k in _CONFIG_KEYS if k in state_dict}})
+            saved = checked_config(**{**kept, **{k: state_dict[k] for k in CONFIG_KEYS if k in state_dict}})
         except (TypeError, ValueError) as error:
             raise ValueError(f"{name}: {error}") from None
-        changed = {k: (saved[k], kept[k]) for k in _CONFIG_KEYS if k in state_dict and saved[k] != kept[k]}
+        changed = {k: (saved[k], kept[k]) for k in CONFIG_KEYS if k in state_dict and saved[k] != kept[k]}
         state = {**state_dict, **kept}
         tracker = state_dict.get("hysteresis_tracker")
-        if "_growth_tracker" not in state_dict and _is_int(tracker) and tracker <= saved["hysteresis"]:
+        if "_growth_tracker" not in state_dict and is_int(tracker) and tracker <= saved["hysteresis"]:
             state["hysteresis_tracker"] = self.hysteresis - (saved["hysteresis"] - tracker)
         self.load_state_dict(state)
         return changed
 
     def __repr__(self) -> str:
-        cfg = ", ".join(f"{k}={getattr(self, k)!r}" for k in _CONFIG_KEYS)
+        cfg = ", ".join(f"{k}={getattr(self, k)!r}" for k in CONFIG_KEYS)
         return f"{type(self).__name__}(scale={self._scale!r}, {cfg})"
-
-
-def _checked_config(
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    consecutive_hysteresis: bool,
-    min_scale: float,
-    max_scale: float,
-) -> dict[str, Any]:
-    """The configuration normalised (bounds rounded to float32), or a ValueError that says what is accepted."""
-    _check(
-        _is_real(growth_factor) and math.isfinite(growth_factor) and growth_factor > 1,
-        f"growth_factor must be a finite number > 1, got {growth_factor!r}",
-    )
-    _check(
-        _is_real(backoff_factor) and 0 < backoff_factor < 1,
-        f"backoff_factor must be in the open interval (0, 1), got {backoff_factor!r}",
-    )
-    _check(
-        _is_int(growth_interval) and growth_interval >= 1,
-        f"growth_interval must be an int >= 1, got {growth_interval!r}",
-    )
-    _check(_is_int(hysteresis) and hysteresis >= 1, f"hysteresis must be an int >= 1, got {hysteresis!r}")
-    _check(
-        isinstance(consecutive_hysteresis, bool),
-        f"consecutive_hysteresis must be a bool, got {consecutive_hysteresis!r}",
-    )
-    _check(
-        _is_real(min_scale) and _is_real(max_scale),
-        f"min_scale and max_scale must be numbers, got {min_scale!r} and {max_scale!r}",
-    )
-    low, high = _f32(float(min_scale)), _f32(float(max_scale))
-    _check(
-        math.isfinite(min_scale) and low > 0,
-        f"min_scale must be a finite number > 0 that float32 does not round to 0 (2**-149 or more), got {min_scale!r}",
-    )
-    _check(max_scale >= min_scale, f"min_scale ({min_scale!r}) must not exceed max_scale ({max_scale!r})")
-    return {
-        "growth_factor": float(growth_factor),
-        "backoff_factor": float(backoff_factor),
-        "growth_interval": int(growth_interval),
-        "hysteresis": int(hysteresis),
-        "consecutive_hysteresis": consecutive_hysteresis,
-        "min_scale": low,
-        "max_scale": high,
-    }
-
-
-def _loaded_scale(value: Any, low: float, high: float, name: str) -> float:
-    """A loaded scale as a float32 value in ``[low, high]``, with a warning if it had to be moved there."""
-    try:
-        scale = _f32(float(value))
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: scale must be a number, got {value!r}") from None
-    _check(
-        math.isfinite(scale) and scale > 0,
-        f"{name}: scale must be a finite number > 0 within float32's range, got {value!r}; "
-        "a checkpoint taken after the scale went to inf or 0 cannot resume the scaler",
-    )
-    if not low <= scale <= high:
-        bound, side = (low, "below min_scale") if scale < low else (high, "above max_scale")
-        warnings.warn(f"{name}: the loaded scale {scale!r} is {side} ({bound!r}); using {bound!r}.", stacklevel=3)
-        scale = bound
-    return scale
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
