@@ -282,7 +282,7 @@ def test_the_flat_edit_check_flags_each_edited_weight_and_gives_its_scratch_back
     assert len(halves.layout.chunks) == 3
     flags, expected = check.flags(aligned)
     assert flags is None
-    assert torch.equal(expected, halves.fingerprints())  # the masters rounded: what the weights are
+    assert torch.equal(expected, halves.fingerprints(upper=True))  # the masters rounded: what the weights are
     params[2].data[1, 1] += 1
     params[1].data[0] = -params[1].data[0]
     flags, again = check.flags(aligned)
@@ -379,4 +379,42 @@ def test_a_master_edited_at_full_precision_and_copied_into_its_weight_is_not_rou
     assert torch.equal(engine.masters.master_of(weight), exact)
     engine.step(model.opt, decided)
     engine.release_gradients(drop=True)
-    assert torch.equal(engine.masters.edits._expected, engine.masters.edits.flat()[0][0].fingerprints())
+    assert torch.equal(engine.masters.edits._expected, engine.masters.edits.flat()[0][0].fingerprints(upper=True))
+
+
+def test_a_sign_flip_of_every_fourth_value_is_adopted():
+    """Negating a hidden unit's outgoing weights (a column of index 3 mod 4, as many positive values as negative) is an
+    edit the fingerprints must see: the values are the top ones of their words, where sign flips cancel in pairs in
+    wrapping sums of words (found by a hostile probe: the master kept its old column, and the next write-back undid
+    the edit)."""
+    engine, model, edited = _fingerprinted_engine()
+    weight = model[1].weight
+    with torch.no_grad():
+        weight[:, 3] = torch.tensor([1.0, -1.0] * 4, dtype=torch.float16) * weight[:, 3].abs().clamp_min(0.01)
+    engine.masters.absorb_all_edits()  # now rounded exactly: the flip below is all that differs
+    engine.masters.refresh()
+    with torch.no_grad():
+        weight[:, 3].neg_()
+    expected = weight.detach().float()
+    _engine_step(engine, model, model.opt, 6)
+    assert edited[-1:] == [["1.weight"]]
+    master = engine.masters.master_of(weight)
+    torch.testing.assert_close(master + 0.1 * master.grad, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (8, 4), (4, 8), (16, 16), (64, 64), (128, 4), (12, 12), (128, 8)])
+def test_the_edit_checks_fingerprint_sees_every_fourth_value_negated_or_rescaled(shape):
+    """A column whose values are the top ones of their 8-byte words (index 3 mod 4) counts in a word's sums with a
+    weight of 2**48: its sign flips (2**63 each) cancel in pairs there, and rescales by powers of two in 64s, whatever
+    the words' weights. The edit check's third sum sees them (negating or rescaling a hidden unit's weights, balanced
+    signs, was missed: the master kept its values and the next write-back undid the edit)."""
+    from lightning_mpt.core.masters._halves import fingerprints
+
+    torch.manual_seed(0)
+    w = torch.rand(shape).add_(0.5).half()
+    w[1::2] = -w[1::2]  # as many positive values as negative ones in every column
+    before = fingerprints([w.view(1, -1).view(torch.int64)], upper=True)
+    for factor in (-1.0, 2.0, 0.5):
+        edited = w.clone()
+        edited[:, 3] *= factor
+        assert not torch.equal(fingerprints([edited.view(1, -1).view(torch.int64)], upper=True), before), factor

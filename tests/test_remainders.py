@@ -67,6 +67,22 @@ def test_a_fingerprint_changes_with_an_edit():
     assert not torch.equal(fingerprint(w), before)
 
 
+@pytest.mark.parametrize("edit", ["neg", "double", "half"])
+def test_a_sleeping_master_whose_every_fourth_value_was_negated_or_rescaled_wakes_as_the_edit_exactly(edit):
+    """The fingerprints of 16-bit masters do not see a sign flip or a rescale by a power of two of a word's top values
+    when those cancel (every fourth value of a row: a hidden unit negated), and need not: the sign and the exponent
+    lie in the weight's bits, so the edited weight joined with its remainder is the edited master bit for bit."""
+    torch.manual_seed(0)
+    master = torch.rand(128, 8).add_(0.5)
+    master[1::2] = -master[1::2]  # as many positive values as negative ones in every column
+    half, rem = split(master)
+    factor = {"neg": -1.0, "double": 2.0, "half": 0.5}[edit]
+    half[:, 3] *= factor
+    expected = master.clone()
+    expected[:, 3] *= factor
+    assert torch.equal(join(half, rem), expected)
+
+
 def test_a_fingerprint_sees_words_swapped_across_periods_of_its_weights():
     """Past ``PERIOD`` words a tensor is weighed a period at a time: two words swapped across a period boundary
     change it; words ``PERIOD`` places apart weigh the same, the one blind spot, which this pins down."""

@@ -71,7 +71,7 @@ class FlatEdits:
 
     Example:
         ```python
-        from lightning_mpt.core.masters._halves import HalfWeights, fingerprints, run_words
+        from lightning_mpt.core.masters._halves import HalfWeights
 
         masters = [torch.randn(3, 4), torch.randn(4)]
         params = [torch.nn.Parameter(m.half()) for m in masters]
@@ -96,7 +96,7 @@ class FlatEdits:
 
     def flags(self, masters: list[Tensor]) -> tuple[Optional[Tensor], Tensor]:
         """Whether each weight (in the layout's order) differs from its master (``masters``, aligned with it) rounded,
-        ``None`` on a CPU when none does; and the fingerprints of the masters rounded, ``(weights, 2)``."""
+        ``None`` on a CPU when none does; and the fingerprints of the masters rounded, ``(weights, 3)``."""
         halves, layout = self.halves, self.halves.layout
         cpu = halves.device.type == "cpu"
         storage = self.scratch.untyped_storage()
@@ -109,7 +109,7 @@ class FlatEdits:
                 for chunk, views, words in zip(layout.chunks, self.views, self.words):
                     self.scratch[: chunk.numel].zero_()  # the unused ends of the slots, zero in the weights too
                     _compat.foreach_copy_(views, masters[chunk.first : chunk.stop])
-                    prints.append(fingerprints(words))
+                    prints.append(fingerprints(words, upper=True))
                     weights = halves.flat[chunk.offset : chunk.offset + chunk.numel].view(torch.int16)
                     rounded = self.scratch[: chunk.numel].view(torch.int16)
                     if cpu and _bits_equal(weights, rounded):  # the usual case: one comparison, stopped at a difference
@@ -212,7 +212,7 @@ class WeightEdits:
         expected = self._expected
         if expected is not None and not loose:  # one device: its fingerprints against the expected ones
             halves = flat[0][0]
-            now = halves.fingerprints()
+            now = halves.fingerprints(upper=True)
             if halves.device.type == "cpu" and torch.equal(now, expected):  # the usual case (a GPU would sync)
                 return None
             return (now != expected).any(1)[index]  # marked, confirmed by :meth:`adopt`
@@ -261,7 +261,7 @@ class WeightEdits:
         if loose:  # not laid flat any more (its data replaced): the next check rounds every master
             self._expected = None
             return
-        now = self._flat[0][0].fingerprints()
+        now = self._flat[0][0].fingerprints(upper=True)
         if len(params) == len(expected):  # every weight (each one once)
             self._expected = now
         else:

@@ -32,43 +32,89 @@ def slot(numel: int) -> int:
 PERIOD = 65521  # the largest prime below 2**16: a word's weight in a fingerprint is its place modulo it, plus one
 
 
-def fingerprints(runs: Sequence[Tensor]) -> Tensor:
+def fingerprints(runs: Sequence[Tensor], upper: bool = False) -> Tensor:
     """The fingerprint of each row of each of ``runs`` (``(count, n)`` int64 each: tensors' 2-byte values read as
-    8-byte words): ``(rows, 2)``, a row's sum and its sum weighted by each word's place (``1 + place % PERIOD``), both
-    wrapping. An edit of one value changes the first (each value counts with a weight of ``2**(16 k)`` by its place
-    ``k`` in its word); an edit that keeps the sum, such as a permutation of values or of rows (``flip``, a transpose,
-    git re-basin's permutation of hidden units), changes the second, unless its changes cancel exactly (words moved
-    by a multiple of ``PERIOD`` places, or many changes). No temporary of a run's size on a CPU, and one ramp of
-    ``PERIOD`` words per device, whatever the sizes.
+    8-byte words): ``(rows, 2)`` wrapping sums, a row's sum and its sum weighted by each word's place (``1 + place %
+    PERIOD``); ``upper``: ``(rows, 3)``, also the sum of its words' upper halves (their top two values, sign-extended)
+    weighted by fixed pseudo-random odd numbers (by place, modulo ``PERIOD``).
+
+    An edit of one value changes the first. An edit that keeps the sum, such as a permutation of values or of rows
+    (``flip``, a transpose, git re-basin's permutation of hidden units), changes the second. In those two a word's
+    top value counts with a weight of ``2**48``: a change of its sign bit is ``2**63``, so two cancel, and rescales by
+    powers of two cancel in 64s; the third sees it from bit 32 down, with weights that no arithmetic progression of
+    places balances (a hidden unit's weights negated, or rescaled: every fourth value of a row). It costs about as
+    much as the other two. An edit goes unseen where all the sums cancel exactly (words moved by a multiple of
+    ``PERIOD`` places, or many changes). The temporaries are :data:`_BLOCK` words at most (one row's period where a
+    period is more).
 
     Example:
         ```python
         w = torch.randn(2, 8).half()
-        before = fingerprints([w.view(torch.int64)])
+        before = fingerprints([w.view(torch.int64)], upper=True)
         w[0] = w[0].roll(4)  # its two words swapped: the same sum
-        assert torch.equal(fingerprints([w.view(torch.int64)]) != before, torch.tensor([[False, True], [False, False]]))
+        changed = fingerprints([w.view(torch.int64)], upper=True) != before
+        assert changed[:, 0].tolist() == [False, False] and changed[1].tolist() == [False] * 3 and changed[0, 1]
         ```
     """
-    sums, placed = [], []
+    sums, placed, highs = [], [], []
     for words in runs:  # a loop, not a call per run: a step's Python stays a few calls whatever the model
-        ramp, cpu, part = _ramp(words.device), words.device.type == "cpu", None
+        ramp, mixed = _weights(words.device)
+        cpu = words.device.type == "cpu"
+        by_place = by_upper = None
         for start in range(0, words.shape[1], PERIOD):  # a period at a time: 2-D products, fast on every device
             block = words[:, start : start + PERIOD]
-            weights = ramp[: block.shape[1]]
-            # the CPU multiplies integers without a temporary; elsewhere integer matmul may be missing, and the
-            # product is a chunk's size at most
-            product = block @ weights if cpu else (block * weights).sum(1)
-            part = product if part is None else part + product
+            width = block.shape[1]
+            # the CPU multiplies integers into a vector; elsewhere integer matmul may be missing
+            a = block @ ramp[:width] if cpu else (block * ramp[:width]).sum(1)
+            by_place = a if by_place is None else by_place + a
+            if upper:
+                b = _upper_weighed(block, mixed[:width], cpu)
+                by_upper = b if by_upper is None else by_upper + b
         sums.append(words.sum(1))
-        placed.append(torch.zeros_like(sums[-1]) if part is None else part)  # empty tensors: nothing to weigh
+        zeros = torch.zeros_like(sums[-1])  # empty tensors: nothing to weigh
+        placed.append(zeros if by_place is None else by_place)
+        highs.append(zeros if by_upper is None else by_upper)
     if not sums:
-        return torch.zeros(0, 2, dtype=torch.int64)
-    return torch.stack((torch.cat(sums), torch.cat(placed)), 1)
+        return torch.zeros(0, 3 if upper else 2, dtype=torch.int64)
+    columns = (torch.cat(sums), torch.cat(placed), *((torch.cat(highs),) if upper else ()))
+    return torch.stack(columns, 1)
+
+
+_BLOCK = 2**15  # words (256 KiB) of upper halves shifted at a time: in a core's cache, and never a step's peak
+
+
+def _upper_weighed(block: Tensor, weights: Tensor, cpu: bool) -> Tensor:
+    """Each row of ``block`` (int64 words) as the sum of its words' upper halves (shifted down, sign-extended) times
+    ``weights``, wrapping; the shifted words made :data:`_BLOCK` at a time in a scratch kept per device."""
+    rows, width = block.shape
+    step = max(1, _BLOCK // width)
+    scratch = _scratch(block.device, step * width)
+    parts = []
+    for first in range(0, rows, step):
+        part = block[first : first + step]
+        high = torch.bitwise_right_shift(part, 32, out=scratch[: part.numel()].view(part.shape))
+        parts.append(high @ weights if cpu else (high * weights).sum(1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+_SCRATCH: dict[torch.device, Tensor] = {}
+
+
+def _scratch(device: torch.device, numel: int) -> Tensor:
+    kept = _SCRATCH.get(device)
+    if kept is None or kept.numel() < numel:
+        kept = _SCRATCH[device] = torch.empty(max(numel, _BLOCK), dtype=torch.int64, device=device)
+    return kept
 
 
 @cache
-def _ramp(device: torch.device) -> Tensor:
-    return torch.arange(1, PERIOD + 1, dtype=torch.int64, device=device)
+def _weights(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The fingerprints' weights on ``device``: the ramp ``1..PERIOD`` and ``PERIOD`` fixed pseudo-random odd numbers
+    below ``2**31`` (the same in every process and run: a fingerprint is compared with one taken earlier)."""
+    ramp = torch.arange(1, PERIOD + 1, dtype=torch.int64)
+    generator = torch.Generator().manual_seed(0x5EED)
+    mixed = torch.randint(0, 2**30, (PERIOD,), dtype=torch.int64, generator=generator) * 2 + 1
+    return ramp.to(device), mixed.to(device)
 
 
 # memory formats whose strides a view of a flat buffer can keep (a channels-last convolution stays channels-last)
@@ -251,10 +297,10 @@ class HalfWeights:
     def device(self) -> torch.device:
         return self.flat.device
 
-    def fingerprints(self, k: Optional[int] = None) -> Tensor:
+    def fingerprints(self, k: Optional[int] = None, upper: bool = False) -> Tensor:
         """The :func:`fingerprints` of chunk ``k``'s weights (of every weight: ``None``), in the layout's order:
-        ``(weights, 2)``."""
-        return fingerprints(self._all_words if k is None else self._words[k])
+        ``(weights, 2)``, or ``(weights, 3)`` with ``upper``."""
+        return fingerprints(self._all_words if k is None else self._words[k], upper)
 
     def pointer(self, position: int) -> int:
         """The data pointer of the parameter at ``position``'s view."""
