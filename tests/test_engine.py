@@ -418,3 +418,46 @@ def test_the_edit_checks_fingerprint_sees_every_fourth_value_negated_or_rescaled
         edited = w.clone()
         edited[:, 3] *= factor
         assert not torch.equal(fingerprints([edited.view(1, -1).view(torch.int64)], upper=True), before), factor
+
+
+def _transposed_run(kind: str, assign: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two steps, a square weight transposed (``assign``: ``p.data = p.data.t()``, else copied in place), one more
+    step: the weight and its master."""
+    from lightning_mpt.core.masters.remainders import RemainderMasters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    dtype = torch.float16 if kind == "copies" else torch.bfloat16
+    masters = CopyMasters(dtype) if kind == "copies" else RemainderMasters(chunk=64)
+    engine = MixedPrecisionEngine(masters, DynamicLossScaler(init_scale=8.0) if kind == "copies" else None)
+    engine.convert(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for seed in range(3):
+        if seed == 2:
+            weight = model[1].weight
+            with torch.no_grad():
+                if assign:
+                    weight.data = weight.data.t()
+                else:
+                    weight.copy_(weight.t().clone())
+        torch.manual_seed(seed)
+        engine.release_gradients(drop=True)
+        loss = model(torch.randn(4, 8, dtype=dtype)).float().pow(2).mean()
+        engine.scale_loss(loss).backward()
+        engine.step(opt, engine.decide(opt))
+        opt.zero_grad()
+    engine.release_gradients(drop=True)
+    return model[1].weight.detach().float().clone(), engine.masters.master_of(model[1].weight).detach().clone()
+
+
+@pytest.mark.parametrize("kind", ["copies", "remainders"])
+def test_a_weight_given_its_own_memory_transposed_is_an_edit(kind):
+    """``p.data = p.data.t()`` of a square weight keeps the data pointer of its view of the flat buffer: only the
+    strides say it changed. It must train as the same transpose copied in place does, bitwise (the same arithmetic).
+    Taken for the same view, it was never adopted: the master kept its values and the next write-back undid it, or
+    (16-bit remainders) the transposed weight was joined with the remainders of the values before (found by a hostile
+    probe)."""
+    weight, master = _transposed_run(kind, assign=True)
+    reference_weight, reference_master = _transposed_run(kind, assign=False)
+    assert torch.equal(master, reference_master)
+    assert torch.equal(weight, reference_weight)

@@ -285,6 +285,7 @@ class HalfWeights:
                 view.copy_(p.detach())
                 p.data = view  # same dtype and device: the parameter keeps its accumulator, hooks and version
         self._pointers = list(map(Tensor.data_ptr, self.params))
+        self._strides = list(map(Tensor.stride, self.params))
         # per chunk, each run's weights as rows of 8-byte words: views made once, for the fingerprints
         self._words = [run_words(self.layout, self.flat, c) for c in self.layout.chunks]
         self._all_words = [words for chunk in self._words for words in chunk]
@@ -302,21 +303,27 @@ class HalfWeights:
         ``(weights, 2)``, or ``(weights, 3)`` with ``upper``."""
         return fingerprints(self._all_words if k is None else self._words[k], upper)
 
-    def pointer(self, position: int) -> int:
-        """The data pointer of the parameter at ``position``'s view."""
-        return self._pointers[position]
+    def attached(self, position: int) -> bool:
+        """Whether the data of the parameter at ``position`` is still its view of the buffer."""
+        p = self.params[position]
+        return p.data_ptr() == self._pointers[position] and p.stride() == self._strides[position]
 
     def view(self, position: int) -> Tensor:
         """The parameter at ``position``'s view of the buffer (its data, unless user code replaced it)."""
         return self.layout.view(self.flat, position)
 
     def moved(self) -> list[int]:
-        """Positions of the parameters whose data is no longer their view of the buffer (replaced by user code, or
-        moved with the module): a comparison of data pointers, in C, when none moved."""
-        now = list(map(Tensor.data_ptr, self.params))
-        if now == self._pointers:
+        """Positions of the parameters whose data is no longer their view of the buffer (replaced by user code, also
+        by another view of the same memory such as ``p.data = p.data.t()``, or moved with the module): a comparison of
+        data pointers and strides, in C, when none moved."""
+        now, strides = list(map(Tensor.data_ptr, self.params)), list(map(Tensor.stride, self.params))
+        if now == self._pointers and strides == self._strides:
             return []
-        return [i for i, (a, b) in enumerate(zip(now, self._pointers)) if a != b]
+        return [
+            i
+            for i, (a, b, s, t) in enumerate(zip(now, self._pointers, strides, self._strides))
+            if a != b or s != t
+        ]
 
     def reattach(self, positions: Sequence[int]) -> None:
         """Put the current values of the parameters at ``positions`` into the buffer and make their data their views
@@ -327,7 +334,7 @@ class HalfWeights:
                 p = self.params[i]
                 views[i].copy_(p.detach())
                 p.data = views[i]
-                self._pointers[i] = p.data_ptr()
+                self._pointers[i], self._strides[i] = p.data_ptr(), p.stride()
 
     def detach(self) -> None:
         """Give every parameter data of its own again (a copy of its view), before the buffer is dropped."""

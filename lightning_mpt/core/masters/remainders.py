@@ -107,7 +107,7 @@ class RemainderMasters(CopyMasters):
         if store is None:
             return self.masters[p]
         i = store.position(p)
-        if p.data_ptr() == store.halves.pointer(i):
+        if store.halves.attached(i):
             if store.chunk_of(i) not in store.awake:  # an edit of its weight since it slept is its master now
                 self._noticed.append((p, store.check_one(i)))
             return store.value(p)
