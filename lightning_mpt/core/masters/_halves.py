@@ -320,9 +320,7 @@ class HalfWeights:
         if now == self._pointers and strides == self._strides:
             return []
         return [
-            i
-            for i, (a, b, s, t) in enumerate(zip(now, self._pointers, strides, self._strides))
-            if a != b or s != t
+            i for i, (a, b, s, t) in enumerate(zip(now, self._pointers, strides, self._strides)) if a != b or s != t
         ]
 
     def reattach(self, positions: Sequence[int]) -> None:
