@@ -58,18 +58,24 @@ def fingerprints(runs: Sequence[Tensor], upper: bool = False) -> Tensor:
     """
     sums, placed, highs = [], [], []
     for words in runs:  # a loop, not a call per run: a step's Python stays a few calls whatever the model
-        ramp, mixed = _weights(words.device)
+        ramp, mixed, scratch = _weights(words.device)
         cpu = words.device.type == "cpu"
         by_place = by_upper = None
         for start in range(0, words.shape[1], PERIOD):  # a period at a time: 2-D products, fast on every device
             block = words[:, start : start + PERIOD]
-            width = block.shape[1]
+            count, width = block.shape
             # the CPU multiplies integers into a vector; elsewhere integer matmul may be missing
             a = block @ ramp[:width] if cpu else (block * ramp[:width]).sum(1)
             by_place = a if by_place is None else by_place + a
-            if upper:
-                b = _upper_weighed(block, mixed[:width], cpu)
-                by_upper = b if by_upper is None else by_upper + b
+            if not upper:
+                continue
+            step, parts = max(1, _BLOCK // width), []  # rows at a time, their upper halves shifted into the scratch
+            for first in range(0, count, step):
+                rows = block[first : first + step]
+                high = torch.bitwise_right_shift(rows, 32, out=scratch[: rows.numel()].view(rows.shape))
+                parts.append(high @ mixed[:width] if cpu else (high * mixed[:width]).sum(1))
+            b = parts[0] if len(parts) == 1 else torch.cat(parts)
+            by_upper = b if by_upper is None else by_upper + b
         sums.append(words.sum(1))
         zeros = torch.zeros_like(sums[-1])  # empty tensors: nothing to weigh
         placed.append(zeros if by_place is None else by_place)
@@ -80,41 +86,21 @@ def fingerprints(runs: Sequence[Tensor], upper: bool = False) -> Tensor:
     return torch.stack(columns, 1)
 
 
-_BLOCK = 2**15  # words (256 KiB) of upper halves shifted at a time: in a core's cache, and never a step's peak
-
-
-def _upper_weighed(block: Tensor, weights: Tensor, cpu: bool) -> Tensor:
-    """Each row of ``block`` (int64 words) as the sum of its words' upper halves (shifted down, sign-extended) times
-    ``weights``, wrapping; the shifted words made :data:`_BLOCK` at a time in a scratch kept per device."""
-    rows, width = block.shape
-    step = max(1, _BLOCK // width)
-    scratch = _scratch(block.device, step * width)
-    parts = []
-    for first in range(0, rows, step):
-        part = block[first : first + step]
-        high = torch.bitwise_right_shift(part, 32, out=scratch[: part.numel()].view(part.shape))
-        parts.append(high @ weights if cpu else (high * weights).sum(1))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-_SCRATCH: dict[torch.device, Tensor] = {}
-
-
-def _scratch(device: torch.device, numel: int) -> Tensor:
-    kept = _SCRATCH.get(device)
-    if kept is None or kept.numel() < numel:
-        kept = _SCRATCH[device] = torch.empty(max(numel, _BLOCK), dtype=torch.int64, device=device)
-    return kept
+#: words (256 KiB) of upper halves shifted at a time (a row's period where that is more): in a core's cache, and
+#: never a step's peak
+_BLOCK = 2**15
 
 
 @cache
-def _weights(device: torch.device) -> tuple[Tensor, Tensor]:
-    """The fingerprints' weights on ``device``: the ramp ``1..PERIOD`` and ``PERIOD`` fixed pseudo-random odd numbers
-    below ``2**31`` (the same in every process and run: a fingerprint is compared with one taken earlier)."""
+def _weights(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The fingerprints' weights on ``device``, the ramp ``1..PERIOD`` and ``PERIOD`` fixed pseudo-random odd numbers
+    below ``2**31`` (the same in every process and run: a fingerprint is compared with one taken earlier), and the
+    scratch of the shifted upper halves, kept."""
     ramp = torch.arange(1, PERIOD + 1, dtype=torch.int64)
     generator = torch.Generator().manual_seed(0x5EED)
     mixed = torch.randint(0, 2**30, (PERIOD,), dtype=torch.int64, generator=generator) * 2 + 1
-    return ramp.to(device), mixed.to(device)
+    scratch = torch.empty(max(_BLOCK, PERIOD), dtype=torch.int64, device=device)
+    return ramp.to(device), mixed.to(device), scratch
 
 
 # memory formats whose strides a view of a flat buffer can keep (a channels-last convolution stays channels-last)
