@@ -58,7 +58,8 @@ def fingerprints(runs: Sequence[Tensor], upper: bool = False) -> Tensor:
     """
     sums, placed, highs = [], [], []
     for words in runs:  # a loop, not a call per run: a step's Python stays a few calls whatever the model
-        ramp, mixed, scratch = _weights(words.device)
+        ramp, mixed = _weights(words.device)
+        scratch = _shifted(words.device) if upper else ramp
         cpu = words.device.type == "cpu"
         by_place = by_upper = None
         for start in range(0, words.shape[1], PERIOD):  # a period at a time: 2-D products, fast on every device
@@ -92,15 +93,19 @@ _BLOCK = 2**15
 
 
 @cache
-def _weights(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """The fingerprints' weights on ``device``, the ramp ``1..PERIOD`` and ``PERIOD`` fixed pseudo-random odd numbers
-    below ``2**31`` (the same in every process and run: a fingerprint is compared with one taken earlier), and the
-    scratch of the shifted upper halves, kept."""
+def _weights(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The fingerprints' weights on ``device``: the ramp ``1..PERIOD`` and ``PERIOD`` fixed pseudo-random odd numbers
+    below ``2**31`` (the same in every process and run: a fingerprint is compared with one taken earlier)."""
     ramp = torch.arange(1, PERIOD + 1, dtype=torch.int64)
     generator = torch.Generator().manual_seed(0x5EED)
     mixed = torch.randint(0, 2**30, (PERIOD,), dtype=torch.int64, generator=generator) * 2 + 1
-    scratch = torch.empty(max(_BLOCK, PERIOD), dtype=torch.int64, device=device)
-    return ramp.to(device), mixed.to(device), scratch
+    return ramp.to(device), mixed.to(device)
+
+
+@cache
+def _shifted(device: torch.device) -> Tensor:
+    """The scratch of the upper halves shifted down (``upper`` fingerprints), kept per device."""
+    return torch.empty(max(_BLOCK, PERIOD), dtype=torch.int64, device=device)
 
 
 # memory formats whose strides a view of a flat buffer can keep (a channels-last convolution stays channels-last)
