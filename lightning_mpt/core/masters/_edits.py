@@ -3,12 +3,13 @@
 refresh undoing them. A half weight was edited when it differs from its master rounded to the half format.
 
 Rounding every master at every step is a pass over the masters per tensor; so once that check has run, the
-:func:`~lightning_mpt.core.masters._halves.fingerprints` of the weights as they should be (their masters rounded) are
-kept, updated where the step writes weights, and a later check compares the weights' fingerprints with them: a few
-kernels over the flat weights, whatever the number of tensors. A weight whose fingerprint differs is compared exactly
-on a CPU (no sync needed to know); on other devices it counts as edited (adopting an unedited weight changes nothing
-but its master's bits below the half format). Writing masters any other way (loading a checkpoint) forgets the
-fingerprints: the next check rounds every master again."""
+:func:`~lightning_mpt.core.masters._halves.fingerprints` of the weights as they should be (their masters rounded, three
+sums each) are kept, updated where the step writes weights, and a later check compares the weights' fingerprints with
+them: a few kernels over the flat weights, whatever the number of tensors. A weight whose fingerprint differs is
+marked, and compared exactly before its master takes it (:meth:`WeightEdits.adopt`: one more host sync, only when one
+is marked), so a weight written alike with its master (the master edited at full precision, then copied into it) is
+not an edit. Writing masters any other way (loading a checkpoint) forgets the fingerprints: the next check rounds
+every master again."""
 
 from __future__ import annotations
 
