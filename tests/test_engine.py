@@ -461,3 +461,19 @@ def test_a_weight_given_its_own_memory_transposed_is_an_edit(kind):
     reference_weight, reference_master = _transposed_run(kind, assign=False)
     assert torch.equal(master, reference_master)
     assert torch.equal(weight, reference_weight)
+
+
+def test_the_fingerprints_off_a_cpu_are_the_cpus():
+    """Off a CPU the fingerprints weigh by products and sums, not integer matrix-vector products (a GPU may lack
+    them): the same numbers, bitwise, since integer sums wrap the same in any order. This machine has no GPU: the path
+    a GPU takes runs here on the CPU's tensors."""
+    from lightning_mpt.core.masters._halves import PERIOD, fingerprints
+
+    torch.manual_seed(0)
+    runs = [
+        torch.randn(3, 4 * (PERIOD + 5)).half().view(torch.int64),  # past a period: weighed a period at a time
+        torch.randn(300, 256).bfloat16().view(torch.int64),  # more rows than a block of shifted words holds
+        torch.zeros(2, 0, dtype=torch.int64),  # empty tensors
+    ]
+    for upper in (False, True):
+        assert torch.equal(fingerprints(runs, upper, matmul=False), fingerprints(runs, upper, matmul=True))

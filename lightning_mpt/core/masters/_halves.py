@@ -32,11 +32,13 @@ def slot(numel: int) -> int:
 PERIOD = 65521  # the largest prime below 2**16: a word's weight in a fingerprint is its place modulo it, plus one
 
 
-def fingerprints(runs: Sequence[Tensor], upper: bool = False) -> Tensor:
+def fingerprints(runs: Sequence[Tensor], upper: bool = False, matmul: Optional[bool] = None) -> Tensor:
     """The fingerprint of each row of each of ``runs`` (``(count, n)`` int64 each: tensors' 2-byte values read as
     8-byte words): ``(rows, 2)`` wrapping sums, a row's sum and its sum weighted by each word's place (``1 + place %
     PERIOD``); ``upper``: ``(rows, 3)``, also the sum of its words' upper halves (their top two values, sign-extended)
-    weighted by fixed pseudo-random odd numbers (by place, modulo ``PERIOD``).
+    weighted by fixed pseudo-random odd numbers (by place, modulo ``PERIOD``). ``matmul``: weigh by integer
+    matrix-vector products (``None``: on a CPU; elsewhere integer matmul may be missing, and products and sums are
+    taken instead: the same numbers, as integer sums wrap the same in any order).
 
     An edit of one value changes the first. An edit that keeps the sum, such as a permutation of values or of rows
     (``flip``, a transpose, git re-basin's permutation of hidden units), changes the second. In those two a word's
@@ -60,12 +62,11 @@ def fingerprints(runs: Sequence[Tensor], upper: bool = False) -> Tensor:
     for words in runs:  # a loop, not a call per run: a step's Python stays a few calls whatever the model
         ramp, mixed = _weights(words.device)
         scratch = _shifted(words.device) if upper else ramp
-        cpu = words.device.type == "cpu"
+        cpu = words.device.type == "cpu" if matmul is None else matmul
         by_place = by_upper = None
         for start in range(0, words.shape[1], PERIOD):  # a period at a time: 2-D products, fast on every device
             block = words[:, start : start + PERIOD]
             count, width = block.shape
-            # the CPU multiplies integers into a vector; elsewhere integer matmul may be missing
             a = block @ ramp[:width] if cpu else (block * ramp[:width]).sum(1)
             by_place = a if by_place is None else by_place + a
             if not upper:
