@@ -295,14 +295,20 @@ def test_the_flat_edit_check_flags_each_edited_weight_and_gives_its_scratch_back
 # ------------------------------------------------------------------------------------ the edit check's fingerprints
 
 
-def _fingerprinted_engine() -> tuple[MixedPrecisionEngine, nn.Module, list[list[str]]]:
-    """An engine whose edit check knows the weights' fingerprints (two steps taken)."""
+def _reporting_engine() -> tuple[MixedPrecisionEngine, nn.Module, list[list[str]]]:
+    """Two fp16 layers converted by an engine with 4-byte masters, and the names of the edits it reports."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     engine = MixedPrecisionEngine(CopyMasters(torch.float16), DynamicLossScaler(init_scale=8.0))
     edited: list[list[str]] = []
     engine.on_edits = edited.append
     engine.convert(model)
+    return engine, model, edited
+
+
+def _fingerprinted_engine() -> tuple[MixedPrecisionEngine, nn.Module, list[list[str]]]:
+    """An engine whose edit check knows the weights' fingerprints (two steps taken)."""
+    engine, model, edited = _reporting_engine()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for seed in range(2):
         _engine_step(engine, model, opt, seed)
@@ -345,12 +351,7 @@ def test_a_state_dict_loaded_between_steps_keeps_its_exact_masters():
 def test_an_edit_of_another_optimizers_weights_survives_this_optimizers_step():
     """Each optimizer's step updates the fingerprints of the weights it wrote only: a weight of the second optimizer
     edited before the first one steps is still found at the second one's check (GANs: the critic clamped)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    engine = MixedPrecisionEngine(CopyMasters(torch.float16), DynamicLossScaler(init_scale=8.0))
-    edited: list[list[str]] = []
-    engine.on_edits = edited.append
-    engine.convert(model)
+    engine, model, edited = _reporting_engine()
     opts = [torch.optim.SGD(model[i].parameters(), lr=0.1) for i in range(2)]
     for seed in range(3):
         if seed == 2:
