@@ -6,7 +6,7 @@ on the masters for the optimizer, released (or scaled again) before the next for
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from itertools import repeat
 from operator import attrgetter, is_, is_not
 from typing import TYPE_CHECKING, Optional
@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, whole_step
 from lightning_mpt.core.masters._groups import GroupPlan, GroupSwap
+from lightning_mpt.core.masters._halves import ranges
 from lightning_mpt.core.masters._zeros import StandInZeros
 
 if TYPE_CHECKING:
@@ -105,9 +106,9 @@ class WholeStep:
         if len(out.params) == len(plan.params):  # the usual case, every one has a gradient: the ranges are the plan's
             spans = plan.spans.get(budget)
             if spans is None:
-                spans = plan.spans[budget] = list(_chunks(out.params, budget))
+                spans = plan.spans[budget] = _chunks(out.params, budget)
         else:
-            spans = list(_chunks(out.params, budget))
+            spans = _chunks(out.params, budget)
         for start, stop in spans:
             self._to_fp32(out, halves, start, stop, unscale)
             if _compat.GRAD_DTYPE and stop < len(halves):  # the parameters hold the fp32 ones: free this range's
@@ -331,18 +332,11 @@ class WholeStep:
         self.groups.layouts.release()
 
 
-def _chunks(params: list[Tensor], budget: int = 2**24) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` index ranges of ``params`` holding about ``budget`` elements each: the half gradients of one
-    range are freed before the fp32 ones of the next are allocated, so the step's peak stays near 18 bytes per
-    parameter (plus one range's half gradients), not 20."""
-    start, size = 0, 0
-    for i, p in enumerate(params):
-        size += p.numel()
-        if size >= budget:
-            yield start, i + 1
-            start, size = i + 1, 0
-    if start < len(params):
-        yield start, len(params)
+def _chunks(params: list[Tensor], budget: int = 2**24) -> list[tuple[int, int]]:
+    """``(start, stop)`` index ranges of ``params`` holding about ``budget`` elements each (:func:`ranges` of their
+    sizes): the half gradients of one range are freed before the fp32 ones of the next are allocated, so the step's
+    peak stays near 18 bytes per parameter (plus one range's half gradients), not 20."""
+    return ranges(list(map(Tensor.numel, params)), budget)
 
 
 def _release(grads: Gradients, drop: bool) -> None:

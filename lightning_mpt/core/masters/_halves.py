@@ -61,7 +61,6 @@ def fingerprints(runs: Sequence[Tensor], upper: bool = False, matmul: Optional[b
     sums, placed, highs = [], [], []
     for words in runs:  # a loop, not a call per run: a step's Python stays a few calls whatever the model
         ramp, mixed = _weights(words.device)
-        scratch = _shifted(words.device) if upper else ramp
         cpu = words.device.type == "cpu" if matmul is None else matmul
         by_place = by_upper = None
         for start in range(0, words.shape[1], PERIOD):  # a period at a time: 2-D products, fast on every device
@@ -71,7 +70,7 @@ def fingerprints(runs: Sequence[Tensor], upper: bool = False, matmul: Optional[b
             by_place = a if by_place is None else by_place + a
             if not upper:
                 continue
-            step, parts = max(1, _BLOCK // width), []  # rows at a time, their upper halves shifted into the scratch
+            scratch, step, parts = _shifted(words.device), max(1, _BLOCK // width), []  # rows at a time
             for first in range(0, count, step):
                 rows = block[first : first + step]
                 high = torch.bitwise_right_shift(rows, 32, out=scratch[: rows.numel()].view(rows.shape))
