@@ -250,13 +250,14 @@ class WeightEdits:
             differ = torch.stack([bits_differ(m.to(p.dtype), p).to(device) for p, m in marked]).tolist()
         edited = [pair for pair, d in zip(marked, differ) if d]
         copy_into_masters(edited)
-        self._expect_as_now([p for p, _ in marked])
+        self.settled([p for p, _ in marked])
         return edited
 
-    def _expect_as_now(self, params: list[Tensor]) -> None:
-        """The fingerprints of the weights of ``params`` now are those expected of them."""
+    def settled(self, params: list[Tensor]) -> None:
+        """The half weights of ``params`` hold their masters rounded now (written from them, or taken by them): their
+        fingerprints now are those expected of them."""
         expected = self._expected
-        if expected is None or self._flat is None:
+        if expected is None or self._flat is None or not params:
             return
         index, loose = self._positions_of(params)
         if loose:  # not laid flat any more (its data replaced): the next check rounds every master
@@ -267,8 +268,3 @@ class WeightEdits:
             self._expected = now
         else:
             expected[index] = now[index]
-
-    def written(self, params: list[Tensor]) -> None:
-        """The half weights of ``params`` were just written from their masters: what they should be is what they are."""
-        if params:
-            self._expect_as_now(params)

@@ -224,12 +224,12 @@ class CopyMasters:
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """Round ``masters`` into their half parameters ``params``."""
         _write_halves(params, masters)
-        self.edits.written(params)
+        self.edits.settled(params)
 
     def write_back(self, params: list[Tensor], masters: list[Tensor]) -> None:
         """After a step: the stepped ``masters`` go back into storage, their half weights refreshed."""
         _write_halves(params, masters)
-        self.edits.written(params)
+        self.edits.settled(params)
 
     def check_edits(self, out: Gradients) -> None:
         """Flag the half weights of ``out.params`` that user code edited since their masters were last written:
