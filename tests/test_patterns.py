@@ -925,3 +925,53 @@ def test_stepping_the_torch_optimizer_itself_is_refused(precision):
     before = snapshot(wrapped)
     quiet_trainer(max_steps=2, plugins=[MPTPrecision(precision)]).fit(wrapped, regression_data())
     assert moved(before, snapshot(wrapped)) > 0
+
+
+class FlipsAUnit(L.LightningModule):
+    """A tanh hidden unit's sign flipped after a step: its incoming row and bias negated, and its outgoing column (index
+    3 of 8: the top values of their 8-byte words in the half weights), the function unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 128)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.b(torch.tanh(self.a(x))).float().pow(2).mean()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1:
+            with torch.no_grad():
+                for t in (self.a.weight[3], self.a.bias[3:4], self.b.weight[:, 3]):
+                    t.neg_()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ExactEditCheck(L.Callback):
+    """Makes every step's edit check round every master (the check before fingerprints)."""
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        trainer.precision_plugin._engine.masters.edits.forget()
+
+
+def test_a_hidden_units_sign_flip_is_adopted_as_by_the_exact_check():
+    """Negating a unit's outgoing column flips the sign of every fourth value of a row of 8 (128 rows, half of them
+    positive): the sign flips cancel in sums of whole words. The step after the flip must train from it exactly as
+    with every master rounded and compared (the same arithmetic: bitwise); missed, the master kept the old column and
+    the next write-back undid the flip (found by a hostile probe)."""
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
+
+    def run(callbacks: list) -> dict:
+        torch.manual_seed(0)
+        model = FlipsAUnit()
+        with torch.no_grad():  # as many positive values as negative ones in the column
+            model.b.weight[:, 3] = model.b.weight[:, 3].abs() * torch.tensor([1.0, -1.0]).repeat(64)
+        quiet_trainer(max_steps=4, plugins=[MPTPrecision("fp16", scaler=256.0)], callbacks=callbacks).fit(model, data)
+        return snapshot(model)
+
+    got, exact = run([]), run([ExactEditCheck()])
+    for n in exact:
+        assert torch.equal(got[n], exact[n]), n
