@@ -478,3 +478,34 @@ def test_the_fingerprints_off_a_cpu_are_the_cpus():
     ]
     for upper in (False, True):
         assert torch.equal(fingerprints(runs, upper, matmul=False), fingerprints(runs, upper, matmul=True))
+
+
+def test_the_fingerprints_are_their_definitions_sums():
+    """Each row's three sums as the docstring of ``fingerprints`` defines them, computed here word by word with
+    Python's integers (wrapped to 64 bits at the end, as integer sums wrap the same in any order): across a period's
+    end, across the blocks of rows the upper halves are shifted in, and for empty rows."""
+    from lightning_mpt.core.masters._halves import PERIOD, _weights, fingerprints
+
+    mixed = _weights(torch.device("cpu"))[1].tolist()
+
+    def wrapped(x: int) -> int:
+        x %= 2**64
+        return x - 2**64 if x >= 2**63 else x
+
+    def definition(row: list[int]) -> list[int]:
+        return [
+            wrapped(sum(row)),
+            wrapped(sum(w * (1 + j % PERIOD) for j, w in enumerate(row))),
+            wrapped(sum((w >> 32) * mixed[j % PERIOD] for j, w in enumerate(row))),
+        ]
+
+    torch.manual_seed(0)
+    runs = [
+        torch.randn(2, 4 * (PERIOD + 5)).half().view(torch.int64),
+        torch.randn(300, 256).bfloat16().view(torch.int64),
+        torch.zeros(2, 0, dtype=torch.int64),
+        torch.randn(5, 4).half().view(torch.int64),
+    ]
+    expected = [definition(row) for words in runs for row in words.tolist()]
+    assert fingerprints(runs, upper=True).tolist() == expected
+    assert fingerprints(runs).tolist() == [e[:2] for e in expected]

@@ -139,7 +139,7 @@ class WholeStep:
                 plan = self.groups.plan(optimizer)
         halves = list(map(_GRAD, plan.params))
         if all(map(is_not, halves, repeat(None))):  # the usual case: every one has one (sparse refused at the copy)
-            out.params, out.masters = list(plan.params), list(plan.masters)
+            out.params, out.masters = plan.params, plan.masters  # shared, never changed: caches key on them
         else:
             kept = []
             for (p, master), grad in zip(plan.pairs, halves):
@@ -164,8 +164,9 @@ class WholeStep:
         """Give ``out.params[start:stop]`` (whose half gradients are ``grads[start:stop]``) fp32 gradients, on their
         masters and on themselves where torch allows it, which frees the half ones at once. What the unscale is to
         multiply goes into ``unscale``: the flat buffer of the new gradients when they are views of one."""
-        params, masters = out.params[start:stop], out.masters[start:stop]
-        halves = grads[start:stop]
+        whole = start == 0 and stop == len(out.params)  # the usual case: the lists themselves, not copies
+        params, masters = (out.params, out.masters) if whole else (out.params[start:stop], out.masters[start:stop])
+        halves = grads if whole else grads[start:stop]
         # few Python objects and calls per step: every container allocated counts toward the cyclic garbage
         # collector's next pass, which walks the whole process (Lightning's object graph)
         # torch < 2.13, a step taken again: the half copies the last step left on the parameters stand for its exact

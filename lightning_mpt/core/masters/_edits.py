@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpt import _compat
-from lightning_mpt.core.masters._halves import HalfWeights, fingerprints, run_words
+from lightning_mpt.core.masters._halves import Fingerprints, HalfWeights, run_words
 
 
 def edited_pairs(pairs: list[tuple[Tensor, Tensor]], flags: list[float]) -> list[tuple[Tensor, Tensor]]:
@@ -91,7 +91,9 @@ class FlatEdits:
         layout = halves.layout
         self.scratch = torch.empty(max(c.numel for c in layout.chunks), dtype=halves.dtype, device=halves.device)
         self.views = [layout.views(self.scratch, c) for c in layout.chunks]
-        self.words = [run_words(layout, self.scratch[: c.numel], c, alone=True) for c in layout.chunks]
+        self.prints = [
+            Fingerprints(run_words(layout, self.scratch[: c.numel], c, alone=True), upper=True) for c in layout.chunks
+        ]
         self._nbytes = self.scratch.untyped_storage().nbytes()
         self.scratch.untyped_storage().resize_(0)
 
@@ -107,10 +109,10 @@ class FlatEdits:
         differ = False
         try:
             with torch.no_grad():
-                for chunk, views, words in zip(layout.chunks, self.views, self.words):
+                for chunk, views, prints_of in zip(layout.chunks, self.views, self.prints):
                     self.scratch[: chunk.numel].zero_()  # the unused ends of the slots, zero in the weights too
                     _compat.foreach_copy_(views, masters[chunk.first : chunk.stop])
-                    prints.append(fingerprints(words, upper=True))
+                    prints.append(prints_of())
                     weights = halves.flat[chunk.offset : chunk.offset + chunk.numel].view(torch.int16)
                     rounded = self.scratch[: chunk.numel].view(torch.int16)
                     if cpu and _bits_equal(weights, rounded):  # the usual case: one comparison, stopped at a difference
@@ -154,6 +156,7 @@ class WeightEdits:
         self._flat: Optional[list[tuple[HalfWeights, FlatEdits, list[Tensor]]]] = None
         self._where: dict[Tensor, int] = {}  # parameter -> its place in the flat weights, one device after another
         self._positions: dict[tuple[int, ...], tuple[Tensor, list[int]]] = {}
+        self._last: Optional[tuple[list[Tensor], tuple[Tensor, list[int]]]] = None  # the list last asked for, held
         # the fingerprints the weights should have (their masters rounded), in the layout's order, while known; kept
         # for the weights of one device only (several devices: every check rounds the masters)
         self._expected: Optional[Tensor] = None
@@ -162,6 +165,7 @@ class WeightEdits:
         """The masters changed: the weights are laid flat again at the next check."""
         self._flat = None
         self._positions.clear()
+        self._last = None
         self._expected = None
 
     def forget(self) -> None:
@@ -189,6 +193,9 @@ class WeightEdits:
     def _positions_of(self, params: list[Tensor]) -> tuple[Tensor, list[int]]:
         """``params``' places in the flat weights (on their device; a loose one counts after them), and the indices
         into ``params`` of the loose ones, those not laid flat."""
+        last = self._last
+        if last is not None and last[0] is params:  # the same list as last time (a plan's, kept unchanged)
+            return last[1]
         key = tuple(map(id, params))
         positions = self._positions.get(key)
         if positions is None:
@@ -198,6 +205,7 @@ class WeightEdits:
             at = [self._where[p] if p in self._where else n + loose.index(i) for i, p in enumerate(params)]
             device = flat[0][0].device if flat else params[0].device
             positions = self._positions[key] = (torch.tensor(at, dtype=torch.long, device=device), loose)
+        self._last = (params, positions)
         return positions
 
     def flags(self, params: list[Tensor]) -> Optional[Tensor]:

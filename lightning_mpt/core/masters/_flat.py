@@ -149,16 +149,22 @@ class FlatLayouts:
     def __init__(self, size: int = 16) -> None:
         self.size = size
         self._layouts: dict[tuple[int, ...], Optional[FlatLayout]] = {}
+        self._last: Optional[tuple[list[Tensor], Optional[FlatLayout]]] = None  # the list last asked for, held
 
     def get(self, tensors: list[Tensor]) -> Optional[FlatLayout]:
+        last = self._last
+        if last is not None and last[0] is tensors:  # the same list as last time (a plan's, kept unchanged)
+            return last[1]
         key = tuple(map(id, tensors))
         if key in self._layouts:
+            self._last = (tensors, self._layouts[key])
             return self._layouts[key]
         first = tensors[0]
         fits = all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors)
         if len(self._layouts) >= self.size:  # masters made again (moved, reconverted): forget the oldest
             del self._layouts[next(iter(self._layouts))]
         layout = self._layouts[key] = FlatLayout(tensors) if fits else None
+        self._last = (tensors, layout)
         return layout
 
     def release(self) -> None:
@@ -169,3 +175,4 @@ class FlatLayouts:
 
     def clear(self) -> None:
         self._layouts.clear()
+        self._last = None

@@ -58,33 +58,65 @@ def fingerprints(runs: Sequence[Tensor], upper: bool = False, matmul: Optional[b
         assert changed[:, 0].tolist() == [False, False] and changed[1].tolist() == [False] * 3 and changed[0, 1]
         ```
     """
-    sums, placed, highs = [], [], []
-    for words in runs:  # a loop, not a call per run: a step's Python stays a few calls whatever the model
-        ramp, mixed = _weights(words.device)
-        cpu = words.device.type == "cpu" if matmul is None else matmul
-        by_place = by_upper = None
-        for start in range(0, words.shape[1], PERIOD):  # a period at a time: 2-D products, fast on every device
-            block = words[:, start : start + PERIOD]
-            count, width = block.shape
-            a = block @ ramp[:width] if cpu else (block * ramp[:width]).sum(1)
-            by_place = a if by_place is None else by_place + a
-            if not upper:
-                continue
-            scratch, step, parts = _shifted(words.device), max(1, _BLOCK // width), []  # rows at a time
-            for first in range(0, count, step):
-                rows = block[first : first + step]
-                high = torch.bitwise_right_shift(rows, 32, out=scratch[: rows.numel()].view(rows.shape))
-                parts.append(high @ mixed[:width] if cpu else (high * mixed[:width]).sum(1))
-            b = parts[0] if len(parts) == 1 else torch.cat(parts)
-            by_upper = b if by_upper is None else by_upper + b
-        sums.append(words.sum(1))
-        zeros = torch.zeros_like(sums[-1])  # empty tensors: nothing to weigh
-        placed.append(zeros if by_place is None else by_place)
-        highs.append(zeros if by_upper is None else by_upper)
-    if not sums:
-        return torch.zeros(0, 3 if upper else 2, dtype=torch.int64)
-    columns = (torch.cat(sums), torch.cat(placed), *((torch.cat(highs),) if upper else ()))
-    return torch.stack(columns, 1)
+    return Fingerprints(runs, upper, matmul)()
+
+
+class Fingerprints:
+    """:func:`fingerprints` of fixed ``runs``, its views made once: each call is a few kernels per run and no
+    indexing (the weights' fingerprints are taken twice a step).
+
+    Args:
+        runs, upper, matmul: as :func:`fingerprints`'s; the runs' values are read at each call.
+
+    Example:
+        ```python
+        w = torch.zeros(2, 8).half()
+        prints = Fingerprints([w.view(torch.int64)], upper=True)
+        before = prints()
+        w[1, 0] = 1.0
+        assert (prints() != before).any(1).tolist() == [False, True]
+        ```
+    """
+
+    def __init__(self, runs: Sequence[Tensor], upper: bool = False, matmul: Optional[bool] = None) -> None:
+        device = runs[0].device if runs else torch.device("cpu")
+        ramp, mixed = _weights(device)
+        self.matmul = device.type == "cpu" if matmul is None else matmul
+        # one column per sum, written in place run by run; the kernels in the order they run, each shift just before
+        # the product that reads its scratch
+        self.out = torch.empty(3 if upper else 2, sum(w.shape[0] for w in runs), dtype=torch.int64, device=device)
+        self.sequence: list[tuple[str, tuple[Tensor, ...]]] = []
+        scratch, at = _shifted(device), 0
+        for words in runs:
+            count, width = words.shape
+            self.sequence.append(("sum", (words, self.out[0, at : at + count])))
+            for start in range(0, max(width, 1), PERIOD):  # a period at a time (more: rows of 512 KiB or more)
+                block, n = words[:, start : start + PERIOD], min(PERIOD, width - start)
+                weigh = "add" if start else "weigh"
+                self.sequence.append((weigh, (block, ramp[:n], self.out[1, at : at + count])))
+                step = max(1, _BLOCK // max(1, n))
+                for first in range(0, count if upper else 0, step):  # rows at a time: the scratch stays in cache
+                    rows = block[first : first + step]
+                    high = scratch[: rows.numel()].view(rows.shape)
+                    self.sequence.append(("shift", (rows, high)))
+                    self.sequence.append((weigh, (high, mixed[:n], self.out[2, at + first : at + first + len(rows)])))
+            at += count
+
+    def __call__(self) -> Tensor:
+        """The fingerprints now: ``(rows, 2)``, or ``(rows, 3)`` with ``upper``, a new tensor."""
+        matmul = self.matmul
+        for kind, args in self.sequence:
+            if kind == "sum":
+                torch.sum(args[0], 1, out=args[1])
+            elif kind == "shift":
+                torch.bitwise_right_shift(args[0], 32, out=args[1])
+            elif kind == "weigh":
+                words, w, where = args
+                torch.mv(words, w, out=where) if matmul else torch.sum(words * w, 1, out=where)
+            else:
+                words, w, where = args
+                where += words @ w if matmul else (words * w).sum(1)
+        return self.out.t().clone()
 
 
 #: words (256 KiB) of upper halves shifted at a time (a row's period where that is more): in a core's cache, and
@@ -280,6 +312,7 @@ class HalfWeights:
         # per chunk, each run's weights as rows of 8-byte words: views made once, for the fingerprints
         self._words = [run_words(self.layout, self.flat, c) for c in self.layout.chunks]
         self._all_words = [words for chunk in self._words for words in chunk]
+        self._prints: dict[tuple[Optional[int], bool], Fingerprints] = {}  # made when first taken
 
     @property
     def dtype(self) -> torch.dtype:
@@ -292,7 +325,11 @@ class HalfWeights:
     def fingerprints(self, k: Optional[int] = None, upper: bool = False) -> Tensor:
         """The :func:`fingerprints` of chunk ``k``'s weights (of every weight: ``None``), in the layout's order:
         ``(weights, 2)``, or ``(weights, 3)`` with ``upper``."""
-        return fingerprints(self._all_words if k is None else self._words[k], upper)
+        key = (k, upper)
+        prints = self._prints.get(key)
+        if prints is None:
+            prints = self._prints[key] = Fingerprints(self._all_words if k is None else self._words[k], upper)
+        return prints()
 
     def attached(self, position: int) -> bool:
         """Whether the data of the parameter at ``position`` is still its view of the buffer."""
