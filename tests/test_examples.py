@@ -325,3 +325,13 @@ def test_engine_overhead_runs_and_prints_its_ratio_and_parts() -> None:
     result = subprocess.run([*cmd, "--convert", "40"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"40 tensors \d+\.\d+ s, 160 tensors \d+\.\d+ s: \d+\.\dx", result.stdout), result.stdout
+
+
+def test_store_parts_wraps_the_remainder_store_and_prints_each_function() -> None:
+    """``benchmarks/store_parts.py`` on the tiny transformer: every function it wraps still exists and is called in a
+    bf16 step (a rename would leave a row out, or fail at the wrapping). Timings are not checked."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "store_parts.py"), "--size", "tiny", "--steps", "4"]
+    result = subprocess.run([*cmd, "--warmup", "2"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("RemainderStore.sleep", "RemainderStore.check_chunk", "RemainderStore.wake", "_ties", "join"):
+        assert re.search(rf"\| {re.escape(name)} +\| \d+\.\d+ \| \d+\.\d \| \d+\.\d \|", result.stdout), result.stdout
