@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_mpt import MPTPrecision
 from lightning_mpt.core.masters._halves import PERIOD
+from lightning_mpt.core.masters._remainder_store import RemainderStore
 from lightning_mpt.core.masters.remainders import fingerprint, join, split
 
 
@@ -257,6 +258,33 @@ def test_a_weight_edited_after_its_master_was_woken_is_adopted_as_with_four_byte
             references.append(_masters_after_clamping(lr, []))  # 4-byte masters
         for reference in references:
             assert all(torch.equal(w, r) for w, r in zip(woken, reference))
+
+
+def test_a_chunked_step_checks_each_chunk_once_as_it_wakes_and_adopts_and_reports_the_edit(monkeypatch):
+    """The chunked step checks a chunk's weights for edits as it wakes the chunk for its step (a check that also sees
+    what hooks edit after the decision), and not at the decision as well: one fingerprint comparison per chunk and
+    step. A clamp after each step is adopted as by the whole step, which checks at the decision (bitwise: the same
+    operations on the same values), and reported by name."""
+    checked: list[int] = []
+    layout: set[int] = set()  # the chunks of the layout (one store: one device)
+    check_chunk = RemainderStore.check_chunk
+
+    def counted(store: RemainderStore, k: int) -> torch.Tensor:
+        checked.append(k)
+        layout.add(len(store.layout.chunks))
+        return check_chunk(store, k)
+
+    monkeypatch.setattr(RemainderStore, "check_chunk", counted)
+    steps = 5
+    trainer = quiet_trainer(max_steps=steps, plugins=[MPTPrecision("bf16", chunked_step=64)])
+    trainer.fit(ClampsAfterTheStep(0.1), regression_data(n=8 * steps, d_in=8, d_out=1, batch_size=8))
+    plugin = trainer.precision_plugin
+    (chunks,) = layout
+    assert chunks > 1 and len(checked) == (steps + 1) * chunks  # and once at the end of fit, to give back fp32 weights
+    assert plugin._reported_edits == {"a.weight"}
+    chunked = [m.detach().clone() for m in plugin.main_params(trainer.optimizers[0])]
+    whole = _masters_after_clamping(0.1, [], chunked_step=False, master_remainders=True)
+    assert all(torch.equal(c, w) for c, w in zip(chunked, whole))
 
 
 def test_the_chunked_step_equals_the_whole_step_bitwise():

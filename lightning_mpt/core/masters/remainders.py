@@ -80,7 +80,8 @@ class RemainderMasters(CopyMasters):
         self._stale = False  # masters were added (as fp32 tensors of their own) since the stores were laid out
         self._edited: Optional[Tensor] = None  # the latest check's flags: the stores' weights in order, then the rest
         self._edited_params: list[Tensor] = []  # the parameters of those flags
-        self._noticed: list[tuple[Tensor, Tensor]] = []  # edits found when a master was read, reported at the check
+        # edits found outside the decision's check (a master read, a chunk woken for its step), reported at the next
+        self._noticed: list[tuple[list[Tensor], Tensor]] = []
 
     # ------------------------------------------------------------------ set-up
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
@@ -109,7 +110,7 @@ class RemainderMasters(CopyMasters):
         i = store.position(p)
         if store.halves.attached(i):
             if store.chunk_of(i) not in store.awake:  # an edit of its weight since it slept is its master now
-                self._noticed.append((p, store.check_one(i)))
+                self._noticed.append(([p], store.check_one(i).reshape(1)))
             return store.value(p)
         if p.device == store.halves.device:  # data replaced: the edited value, exactly, as an fp32 copy takes it
             return p.detach().float()
@@ -193,7 +194,10 @@ class RemainderMasters(CopyMasters):
             if k in store.awake:
                 continue
             if check:
-                store.check_chunk(k)
+                edited = store.check_chunk(k)
+                if edited.device.type != "cpu" or bool(edited.any()):  # reported at the next decision
+                    chunk = store.layout.chunks[k]
+                    self._noticed.append((store.params[chunk.first : chunk.stop], edited))
             store.wake(k)
             chunk = store.layout.chunks[k]
             for p in store.params[chunk.first : chunk.stop]:
@@ -248,8 +252,11 @@ class RemainderMasters(CopyMasters):
     def prepare(self, optimizer: Optimizer, scale: float, check_edits: bool = True) -> Gradients:
         self._ensure_layout()
         self._sleep_all()  # a step taken again, or decided again: from the weights and remainders as they are
-        self._edited = self._check() if check_edits else None
-        if not self.in_chunks(optimizer):  # the whole step reads every master of the optimizer
+        chunked = self.in_chunks(optimizer)
+        # a chunked step checks each chunk as it wakes it for its step, which also sees edits made after the decision
+        # (in on_before_optimizer_step): here only the masters outside the stores, and the edits found since the last
+        self._edited = self._check(stores=not chunked) if check_edits else None
+        if not chunked:  # the whole step reads every master of the optimizer
             self.wake(params_of(optimizer), check=False)  # checked just now
         return super().prepare(optimizer, scale, check_edits)
 
@@ -257,10 +264,11 @@ class RemainderMasters(CopyMasters):
         if self._edited is not None:
             out.edited = self._edited.any().reshape(1)
 
-    def _check(self) -> Optional[Tensor]:
+    def _check(self, stores: bool = True) -> Optional[Tensor]:
         """Every weight edited since its master was last written, on the device: a sleeping master takes its
         weight's edit (its remainder zeroed), a woken one the whole edited weight. ``None`` when there is nothing."""
-        flags = [store.check() for store in self.stores]
+        flags = [store.check() for store in self.stores] if stores else []
+        params = [p for store in self.stores for p in store.params] if stores else []
         others = [(p, m) for p, m in self.masters.items() if p not in self._where or p in self.held]
         others = [(p, self.held.get(p, m)) for p, m in others]
         with torch.no_grad():
@@ -270,9 +278,12 @@ class RemainderMasters(CopyMasters):
                 edited = bits_differ(rounded, p)
                 m.copy_(torch.where(edited, p.detach().float(), m))
                 flags.append(edited.reshape(1))
+        params += [p for p, _ in others]
         noticed, self._noticed = self._noticed, []
-        flags += [flag.reshape(1) for _, flag in noticed]
-        self._edited_params = [p for store in self.stores for p in store.params] + [p for p, _ in others + noticed]
+        for found, flag in noticed:
+            flags.append(flag)
+            params += found
+        self._edited_params = params
         if not flags:
             return None
         device = flags[0].device
