@@ -280,7 +280,8 @@ def test_a_chunked_step_checks_each_chunk_once_as_it_wakes_and_adopts_and_report
     trainer.fit(ClampsAfterTheStep(0.1), regression_data(n=8 * steps, d_in=8, d_out=1, batch_size=8))
     plugin = trainer.precision_plugin
     (chunks,) = layout
-    assert chunks > 1 and len(checked) == (steps + 1) * chunks  # and once at the end of fit, to give back fp32 weights
+    assert chunks > 1
+    assert len(checked) == (steps + 1) * chunks  # and once at the end of fit, to give the module fp32 weights
     assert plugin._reported_edits == {"a.weight"}
     chunked = [m.detach().clone() for m in plugin.main_params(trainer.optimizers[0])]
     whole = _masters_after_clamping(0.1, [], chunked_step=False, master_remainders=True)
