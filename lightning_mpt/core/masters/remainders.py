@@ -80,7 +80,7 @@ class RemainderMasters(CopyMasters):
         self._stale = False  # masters were added (as fp32 tensors of their own) since the stores were laid out
         self._edited: Optional[Tensor] = None  # the latest check's flags: the stores' weights in order, then the rest
         self._edited_params: list[Tensor] = []  # the parameters of those flags
-        # edits found outside the decision's check (a master read, a chunk woken for its step), reported at the next
+        # edits found outside the decision's check (a master read, a chunk woken for its step): reported at the next one
         self._noticed: list[tuple[list[Tensor], Tensor]] = []
 
     # ------------------------------------------------------------------ set-up
@@ -254,7 +254,7 @@ class RemainderMasters(CopyMasters):
         self._sleep_all()  # a step taken again, or decided again: from the weights and remainders as they are
         chunked = self.in_chunks(optimizer)
         # a chunked step checks each chunk as it wakes it for its step, which also sees edits made after the decision
-        # (in on_before_optimizer_step): here only the masters outside the stores, and the edits found since the last
+        # (in on_before_optimizer_step): here only the masters outside the stores, and the edits found since
         self._edited = self._check(stores=not chunked) if check_edits else None
         if not chunked:  # the whole step reads every master of the optimizer
             self.wake(params_of(optimizer), check=False)  # checked just now
@@ -266,7 +266,9 @@ class RemainderMasters(CopyMasters):
 
     def _check(self, stores: bool = True) -> Optional[Tensor]:
         """Every weight edited since its master was last written, on the device: a sleeping master takes its
-        weight's edit (its remainder zeroed), a woken one the whole edited weight. ``None`` when there is nothing."""
+        weight's edit (its remainder zeroed), a woken one the whole edited weight. ``None`` when there is nothing.
+        ``stores=False``: the flat stores' weights are left to the chunks' wakes; the flags are then those of the rest
+        and of the edits found since the last check."""
         flags = [store.check() for store in self.stores] if stores else []
         params = [p for store in self.stores for p in store.params] if stores else []
         others = [(p, m) for p, m in self.masters.items() if p not in self._where or p in self.held]
