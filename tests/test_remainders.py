@@ -7,7 +7,7 @@ chunked step against the whole one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -269,7 +269,7 @@ def test_a_chunked_step_checks_each_chunk_once_as_it_wakes_and_adopts_and_report
     layout: set[int] = set()  # the chunks of the layout (one store: one device)
     check_chunk = RemainderStore.check_chunk
 
-    def counted(store: RemainderStore, k: int) -> torch.Tensor:
+    def counted(store: RemainderStore, k: int) -> Optional[torch.Tensor]:
         checked.append(k)
         layout.add(len(store.layout.chunks))
         return check_chunk(store, k)

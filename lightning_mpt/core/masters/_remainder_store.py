@@ -234,20 +234,25 @@ class RemainderStore:
     def check(self) -> Tensor:
         """Which weights (in the layout's order) user code edited since their masters last slept, on the device: an
         edited weight's remainder is zeroed, so its master is the edited value exactly, and it is fingerprinted anew."""
-        flags = [self.check_chunk(k) for k in range(len(self.layout.chunks))]
+        flags = []
+        for k, chunk in enumerate(self.layout.chunks):
+            edited = self.check_chunk(k)
+            flags.append(torch.zeros(chunk.stop - chunk.first, dtype=torch.bool) if edited is None else edited)
         return torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool)
 
-    def check_chunk(self, k: int) -> Tensor:
-        """:meth:`check` of chunk ``k``'s weights (asleep): their flags, on the device."""
+    def check_chunk(self, k: int) -> Optional[Tensor]:
+        """:meth:`check` of chunk ``k``'s weights (asleep): their flags, on the device; ``None`` on a CPU when none was
+        edited."""
         chunk = self.layout.chunks[k]
         with torch.no_grad():
             now = self._prints(k)
             edited = torch.ne(now, self.prints[k]).any(1)
-            if edited.device.type != "cpu" or bool(edited.any()):  # a CPU reads it for free
-                rem = self._slice(self.rem, k)
-                for run in chunk.runs:
-                    at = run.first - chunk.first
-                    self.layout.rows(rem, run, chunk).masked_fill_(edited[at : at + run.count, None], 0)
+            if edited.device.type == "cpu" and not bool(edited.any()):  # a CPU reads it for free: the prints hold
+                return None
+            rem = self._slice(self.rem, k)
+            for run in chunk.runs:
+                at = run.first - chunk.first
+                self.layout.rows(rem, run, chunk).masked_fill_(edited[at : at + run.count, None], 0)
             self.prints[k] = now
         return edited
 

@@ -195,7 +195,7 @@ class RemainderMasters(CopyMasters):
                 continue
             if check:
                 edited = store.check_chunk(k)
-                if edited.device.type != "cpu" or bool(edited.any()):  # reported at the next decision
+                if edited is not None:  # reported at the next decision
                     chunk = store.layout.chunks[k]
                     self._noticed.append((store.params[chunk.first : chunk.stop], edited))
             store.wake(k)
