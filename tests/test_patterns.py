@@ -443,6 +443,42 @@ def test_weight_clamping_in_a_hook_reaches_the_masters(precision):
         torch.testing.assert_close(got[n], ref[n], rtol=0, atol=4 * eps * 0.02)
 
 
+class HalvesAfterTheLastSteps(L.LightningModule):
+    """Halves ``a.weight`` in place after the next-to-last step and ``b.weight`` after the last one."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.b(torch.relu(self.a(x))).float(), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        edited = {self.steps - 2: self.a.weight, self.steps - 1: self.b.weight}.get(batch_idx)
+        if edited is not None:
+            edited.data.mul_(0.5)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_an_edit_after_the_last_steps_is_adopted_and_reported(precision):
+    """Edits that no later decision sees are still reported by name: one after the last step (found when fit gives
+    the module its fp32 weights back) and, under bf16's chunked default, one after the step before (found as the last
+    step wakes its chunk). Adopted: the final weight is the edited half value, exactly."""
+    steps = 4
+    model = HalvesAfterTheLastSteps(steps)
+    plugin = MPTPrecision(precision, scaler=256.0 if precision == "fp16" else None)
+    quiet_trainer(max_steps=steps, plugins=[plugin]).fit(model, regression_data(n=8 * steps, d_in=8, d_out=1, batch_size=8))
+    assert plugin._reported_edits == {"a.weight", "b.weight"}
+    half = torch.float16 if precision == "fp16" else torch.bfloat16
+    assert model.b.weight.dtype == torch.float32
+    assert torch.equal(model.b.weight, model.b.weight.to(half).float())  # the master is the edited half weight
+
+
 class MaxNormEmbedding(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()

@@ -96,7 +96,8 @@ class MixedPrecisionEngine:
         fp32_when_accumulating: bool = False,
     ) -> None:
         self.masters = masters
-        self.on_edits = on_edits
+        if on_edits is not None:
+            self.on_edits = on_edits
         # the loop's zero_grad sets the gradients to None (Lightning's automatic optimization with torch's default):
         # what a step leaves may then be dropped; otherwise it stays a tensor (zeros after a skip), as under "32-true"
         self.zero_grad_drops = False
@@ -110,6 +111,16 @@ class MixedPrecisionEngine:
         self._taken: dict[Optimizer, Gradients] = {}
         self._optimizers: dict[Optimizer, list[Any]] = {}  # adopted optimizers, in order -> their hook handles
         self._stepping = False  # inside :meth:`step` or :meth:`step_in_closure`: the optimizer's step is the engine's
+
+    @property
+    def on_edits(self) -> Optional[Callable[[list[str]], None]]:
+        """Called with the names of parameters whose in-place edits the masters adopted, wherever they were found: at
+        a decision, before a checkpoint or a weight average, when the module is restored (the masters' own)."""
+        return self.masters.on_edits
+
+    @on_edits.setter
+    def on_edits(self, report: Optional[Callable[[list[str]], None]]) -> None:
+        self.masters.on_edits = report
 
     @property
     def loss_scale(self) -> float:
@@ -220,9 +231,7 @@ class MixedPrecisionEngine:
         amax = max_abs(fp32).max() if fp32 else None
         skipped, loss_finite, edited = self._sync(grads.found_inf, grads.edited, amax)
         if any(edited):
-            names = self.masters.absorb_edits(grads, edited)
-            if names and self.on_edits is not None:
-                self.on_edits(names)
+            self.masters.absorb_edits(grads, edited)  # reported by the masters
         pending = PendingStep(index, grads, skipped, loss_finite, self.backward_scale)
         if skipped:
             pending.culprits = grads.nonfinite_mask()  # now, before hooks or clipping touch the gradients

@@ -15,7 +15,7 @@ Two implementations: :class:`~lightning_mpt.core.masters.copies.CopyMasters`, an
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
@@ -142,6 +142,8 @@ class Masters(Protocol):
     """What the engine asks of the fp32 masters of a half-precision model (see the module's docstring)."""
 
     dtype: torch.dtype  # the half format of the model's weights
+    # called with the names of the weights whose in-place edits the masters adopted, wherever they were found
+    on_edits: Optional[Callable[[list[str]], None]]
 
     @property
     def separate(self) -> bool:
@@ -161,7 +163,8 @@ class Masters(Protocol):
         """The step's fp32 gradients, unscaled by ``1/scale``, with their flags on the device."""
 
     def absorb_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
-        """Take the edits that ``flags`` (host values of ``grads.edited``) mark into the masters; their names."""
+        """Take the edits that ``flags`` (host values of ``grads.edited``) mark into the masters; their names (also
+        handed to :attr:`on_edits`)."""
 
     def enter(self, optimizer: Optimizer, grads: Gradients) -> None:
         """Hand the masters to ``optimizer`` for its step."""

@@ -16,7 +16,7 @@ reset their autograd gradient accumulators and detach DDP's hooks.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -76,6 +76,7 @@ class CopyMasters:
         self.groups = GroupSwap(self.masters, self.converted)
         self.edits = WeightEdits(self.masters, dtype)
         self.names: dict[Tensor, str] = {}
+        self.on_edits: Optional[Callable[[list[str]], None]] = None
         self._handles: list[RemovableHandle] = []
         self.stepper: WholeStep
         self.chunked = chunk is not None  # the step is a ChunkedStep
@@ -211,14 +212,22 @@ class CopyMasters:
         if grads.edit_flags is not None and any(flags):  # which ones: read only when one was (a second sync)
             flags = grads.edit_flags.tolist()
         edited = self.edits.adopt(list(zip(grads.params, grads.masters)), flags)
-        return [self.name_of(p) for p, _ in edited]
+        return self.report_edits([p for p, _ in edited])
 
     def absorb_all_edits(self) -> list[str]:
-        """Check every converted parameter for an edit of its half weight (one host sync) and adopt what is found."""
+        """Check every converted parameter for an edit of its half weight (one host sync), adopt what is found and
+        report it (before a checkpoint is written, a weight average read, the module restored)."""
         pairs = [(p, m) for p, m in self.masters.items() if p.shape == m.shape]
         flags = self.edits.flags([p for p, _ in pairs]) if pairs else None
         edited = [] if flags is None else self.edits.adopt(pairs, flags.tolist())
-        return [self.name_of(p) for p, _ in edited]
+        return self.report_edits([p for p, _ in edited])
+
+    def report_edits(self, params: list[Tensor]) -> list[str]:
+        """The names of ``params``, whose edits the masters adopted, handed to :attr:`on_edits` when there are any."""
+        names = [self.name_of(p) for p in params]
+        if names and self.on_edits is not None:
+            self.on_edits(names)
+        return names
 
     # ------------------------------------------------------------------ the half weights
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:

@@ -297,7 +297,7 @@ class RemainderMasters(CopyMasters):
             return []
         edited = self._edited.tolist()
         self._edited = None
-        return [self.name_of(p) for p, e in zip(self._edited_params, edited) if e]
+        return self.report_edits([p for p, e in zip(self._edited_params, edited) if e])
 
     @torch.inference_mode(False)  # from a state_dict() inside a validation loop: the state it writes outlives it
     def absorb_all_edits(self) -> list[str]:

@@ -312,6 +312,7 @@ class ShardedMasters:
         self.dtype = dtype
         self.keep_fp32 = tuple(keep_fp32)
         self.on_half_kept = on_half_kept
+        self.on_edits: Optional[Callable[[list[str]], None]] = None  # never called: a shard's edit is its master's
         self.loop: Literal["trainer", "fabric"] = loop
         self._names: dict[Tensor, str] = {}
 
