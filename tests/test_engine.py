@@ -195,7 +195,7 @@ def _engine_step(engine: MixedPrecisionEngine, model: nn.Module, opt: torch.opti
 
 def _kept_buffers(engine: MixedPrecisionEngine) -> list[tuple[str, int]]:
     """The dtype and the bytes of each buffer the engine keeps (not the buffers: holding one keeps it from reuse)."""
-    layouts = engine.masters.groups.layouts._layouts.values()  # type: ignore[attr-defined]
+    layouts = engine.masters.groups.layouts.values.values()  # type: ignore[attr-defined]
     return sorted(
         (str(kept.flat.dtype), kept.flat.untyped_storage().nbytes())
         for layout in layouts

@@ -472,7 +472,8 @@ def test_an_edit_after_the_last_steps_is_adopted_and_reported(precision):
     steps = 4
     model = HalvesAfterTheLastSteps(steps)
     plugin = MPTPrecision(precision, scaler=256.0 if precision == "fp16" else None)
-    quiet_trainer(max_steps=steps, plugins=[plugin]).fit(model, regression_data(n=8 * steps, d_in=8, d_out=1, batch_size=8))
+    data = regression_data(n=8 * steps, d_in=8, d_out=1, batch_size=8)  # one epoch: batch_idx counts the steps
+    quiet_trainer(max_steps=steps, plugins=[plugin]).fit(model, data)
     assert plugin._reported_edits == {"a.weight", "b.weight"}
     half = torch.float16 if precision == "fp16" else torch.bfloat16
     assert model.b.weight.dtype == torch.float32

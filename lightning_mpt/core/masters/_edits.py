@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_mpt import _compat
+from lightning_mpt.core.masters._flat import PerList
 from lightning_mpt.core.masters._halves import Fingerprints, HalfWeights, run_words
 
 
@@ -155,8 +156,8 @@ class WeightEdits:
         self.chunk = chunk
         self._flat: Optional[list[tuple[HalfWeights, FlatEdits, list[Tensor]]]] = None
         self._where: dict[Tensor, int] = {}  # parameter -> its place in the flat weights, one device after another
-        self._positions: dict[tuple[int, ...], tuple[Tensor, list[int]]] = {}
-        self._last: Optional[tuple[list[Tensor], tuple[Tensor, list[int]]]] = None  # the list last asked for, held
+        # per list of parameters: their places in the flat weights, and which are loose (see :meth:`_positions_of`)
+        self._positions = PerList(self._positions_of, size=None)
         # the fingerprints the weights should have (their masters rounded), in the layout's order, while known; kept
         # for the weights of one device only (several devices: every check rounds the masters)
         self._expected: Optional[Tensor] = None
@@ -165,7 +166,6 @@ class WeightEdits:
         """The masters changed: the weights are laid flat again at the next check."""
         self._flat = None
         self._positions.clear()
-        self._last = None
         self._expected = None
 
     def forget(self) -> None:
@@ -192,21 +192,13 @@ class WeightEdits:
 
     def _positions_of(self, params: list[Tensor]) -> tuple[Tensor, list[int]]:
         """``params``' places in the flat weights (on their device; a loose one counts after them), and the indices
-        into ``params`` of the loose ones, those not laid flat."""
-        last = self._last
-        if last is not None and last[0] is params:  # the same list as last time (a plan's, kept unchanged)
-            return last[1]
-        key = tuple(map(id, params))
-        positions = self._positions.get(key)
-        if positions is None:
-            flat = self.flat()
-            n = len(self._where)
-            loose = [i for i, p in enumerate(params) if p not in self._where]
-            at = [self._where[p] if p in self._where else n + loose.index(i) for i, p in enumerate(params)]
-            device = flat[0][0].device if flat else params[0].device
-            positions = self._positions[key] = (torch.tensor(at, dtype=torch.long, device=device), loose)
-        self._last = (params, positions)
-        return positions
+        into ``params`` of the loose ones, those not laid flat (made once per list: :attr:`_positions`)."""
+        flat = self.flat()
+        n = len(self._where)
+        loose = [i for i, p in enumerate(params) if p not in self._where]
+        at = [self._where[p] if p in self._where else n + loose.index(i) for i, p in enumerate(params)]
+        device = flat[0][0].device if flat else params[0].device
+        return torch.tensor(at, dtype=torch.long, device=device), loose
 
     def flags(self, params: list[Tensor]) -> Optional[Tensor]:
         """Whether the half weight of each of ``params`` (each with a master) differs from its master rounded, on the
@@ -217,7 +209,7 @@ class WeightEdits:
                 self.invalidate()
                 break
         flat = self.flat()
-        index, loose = self._positions_of(params)
+        index, loose = self._positions.get(params)
         expected = self._expected
         if expected is not None and not loose:  # one device: its fingerprints against the expected ones
             halves = flat[0][0]
@@ -267,7 +259,7 @@ class WeightEdits:
         expected = self._expected
         if expected is None or self._flat is None or not params:
             return
-        index, loose = self._positions_of(params)
+        index, loose = self._positions.get(params)
         if loose:  # not laid flat any more (its data replaced): the next check rounds every master
             self._expected = None
             return

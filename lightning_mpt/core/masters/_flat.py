@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Optional
+from typing import Generic, Optional, TypeVar
 
 import torch
 from torch import Tensor
@@ -133,7 +133,51 @@ class FlatLayout:
                 del self._kept[key]
 
 
-class FlatLayouts:
+V = TypeVar("V")
+
+
+class PerList(Generic[V]):
+    """Values made once per list of tensors, keyed by the tensors' ids, the oldest forgotten past ``size``; the list
+    asked for last is found by identity alone (a plan's lists stay unchanged from step to step: no key is built).
+
+    Args:
+        make: the value of a list not seen yet.
+        size: the most lists remembered (masters made again, moved or reconverted, make new lists); ``None``: all.
+
+    Example:
+        ```python
+        sizes = PerList(lambda tensors: sum(t.numel() for t in tensors))
+        tensors = [torch.zeros(2), torch.zeros(3)]
+        assert sizes.get(tensors) == 5 and sizes.get(list(tensors)) == 5  # the same tensors: the same key
+        ```
+    """
+
+    def __init__(self, make: Callable[[list[Tensor]], V], size: Optional[int] = 16) -> None:
+        self.make = make
+        self.size = size
+        self.values: dict[tuple[int, ...], V] = {}
+        self._last: Optional[tuple[list[Tensor], V]] = None  # the list last asked for, held
+
+    def get(self, tensors: list[Tensor]) -> V:
+        last = self._last
+        if last is not None and last[0] is tensors:
+            return last[1]
+        key = tuple(map(id, tensors))
+        if key in self.values:
+            value = self.values[key]
+        else:
+            if self.size is not None and len(self.values) >= self.size:
+                del self.values[next(iter(self.values))]
+            value = self.values[key] = self.make(tensors)
+        self._last = (tensors, value)
+        return value
+
+    def clear(self) -> None:
+        self.values.clear()
+        self._last = None
+
+
+class FlatLayouts(PerList[Optional[FlatLayout]]):
     """The :class:`FlatLayout` of recently seen lists of tensors (a few per optimizer: one per range of parameters),
     keyed by the tensors' ids; ``None`` for a list that cannot lie flat (tensors not contiguous, or on several
     devices or of several dtypes).
@@ -147,32 +191,17 @@ class FlatLayouts:
     """
 
     def __init__(self, size: int = 16) -> None:
-        self.size = size
-        self._layouts: dict[tuple[int, ...], Optional[FlatLayout]] = {}
-        self._last: Optional[tuple[list[Tensor], Optional[FlatLayout]]] = None  # the list last asked for, held
-
-    def get(self, tensors: list[Tensor]) -> Optional[FlatLayout]:
-        last = self._last
-        if last is not None and last[0] is tensors:  # the same list as last time (a plan's, kept unchanged)
-            return last[1]
-        key = tuple(map(id, tensors))
-        if key in self._layouts:
-            self._last = (tensors, self._layouts[key])
-            return self._layouts[key]
-        first = tensors[0]
-        fits = all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors)
-        if len(self._layouts) >= self.size:  # masters made again (moved, reconverted): forget the oldest
-            del self._layouts[next(iter(self._layouts))]
-        layout = self._layouts[key] = FlatLayout(tensors) if fits else None
-        self._last = (tensors, layout)
-        return layout
+        super().__init__(_layout_of, size)
 
     def release(self) -> None:
         """:meth:`FlatLayout.release` of every layout."""
-        for layout in self._layouts.values():
+        for layout in self.values.values():
             if layout is not None:
                 layout.release()
 
-    def clear(self) -> None:
-        self._layouts.clear()
-        self._last = None
+
+def _layout_of(tensors: list[Tensor]) -> Optional[FlatLayout]:
+    """The :class:`FlatLayout` of ``tensors``, ``None`` where they cannot lie flat."""
+    first = tensors[0]
+    fits = all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors)
+    return FlatLayout(tensors) if fits else None
