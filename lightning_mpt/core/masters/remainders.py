@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, distributed, params_of
-from lightning_mpt.core.masters._edits import bits_differ
+from lightning_mpt.core.masters._remainder_edits import RemainderEdits
 from lightning_mpt.core.masters._remainder_store import RemainderStore, fingerprint, join, split
 from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedStep
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -78,10 +78,7 @@ class RemainderMasters(CopyMasters):
         self._chunk: dict[Tensor, tuple[int, int]] = {}  # parameter -> (its store's index, its chunk's index)
         self.held: dict[Tensor, Tensor] = {}  # parameter -> its master woken for a reader, until the next forward
         self._stale = False  # masters were added (as fp32 tensors of their own) since the stores were laid out
-        self._edited: Optional[Tensor] = None  # the latest check's flags: the stores' weights in order, then the rest
-        self._edited_params: list[Tensor] = []  # the parameters of those flags
-        # edits found outside the decision's check (a master read, a chunk woken for its step): reported at the next one
-        self._noticed: list[tuple[list[Tensor], Tensor]] = []
+        self.found = RemainderEdits(self)  # the edits found and adopted, until the decision reads them
 
     # ------------------------------------------------------------------ set-up
     def convert(self, module: nn.Module, restored: bool = False) -> nn.Module:
@@ -110,7 +107,7 @@ class RemainderMasters(CopyMasters):
         i = store.position(p)
         if store.halves.attached(i):
             if store.chunk_of(i) not in store.awake:  # an edit of its weight since it slept is its master now
-                self._noticed.append(([p], store.check_one(i).reshape(1)))
+                self.found.notice([p], store.check_one(i).reshape(1))
             return store.value(p)
         if p.device == store.halves.device:  # data replaced: the edited value, exactly, as an fp32 copy takes it
             return p.detach().float()
@@ -197,7 +194,7 @@ class RemainderMasters(CopyMasters):
                 edited = store.check_chunk(k)
                 if edited is not None:  # reported at the next decision
                     chunk = store.layout.chunks[k]
-                    self._noticed.append((store.params[chunk.first : chunk.stop], edited))
+                    self.found.notice(store.params[chunk.first : chunk.stop], edited)
             store.wake(k)
             chunk = store.layout.chunks[k]
             for p in store.params[chunk.first : chunk.stop]:
@@ -255,55 +252,33 @@ class RemainderMasters(CopyMasters):
         chunked = self.in_chunks(optimizer)
         # a chunked step checks each chunk as it wakes it for its step, which also sees edits made after the decision
         # (in on_before_optimizer_step): here only the masters outside the stores, and the edits found since
-        self._edited = self._check(stores=not chunked) if check_edits else None
+        if check_edits:
+            self.found.check(stores=not chunked)
+        else:
+            self.found.flags = None
         if not chunked:  # the whole step reads every master of the optimizer
             self.wake(params_of(optimizer), check=False)  # checked just now
         return super().prepare(optimizer, scale, check_edits)
 
     def check_edits(self, out: Gradients) -> None:
-        if self._edited is not None:
-            out.edited = self._edited.any().reshape(1)
+        if self.found.flags is not None:
+            out.edited = self.found.flags.any().reshape(1)
 
-    def _check(self, stores: bool = True) -> Optional[Tensor]:
-        """Every weight edited since its master was last written, on the device: a sleeping master takes its
-        weight's edit (its remainder zeroed), a woken one the whole edited weight. ``None`` when there is nothing.
-        ``stores=False``: the flat stores' weights are left to the chunks' wakes; the flags are then those of the rest
-        and of the edits found since the last check."""
-        flags = [store.check() for store in self.stores] if stores else []
-        params = [p for store in self.stores for p in store.params] if stores else []
-        others = [(p, m) for p, m in self.masters.items() if p not in self._where or p in self.held]
-        others = [(p, self.held.get(p, m)) for p, m in others]
-        with torch.no_grad():
-            for p, m in others:
-                # a weight given data of another format (an fp32 tensor assigned to .data) is compared in it
-                rounded = split(m.detach())[0] if p.dtype == torch.bfloat16 else m.detach().to(p.dtype)
-                edited = bits_differ(rounded, p)
-                m.copy_(torch.where(edited, p.detach().float(), m))
-                flags.append(edited.reshape(1))
-        params += [p for p, _ in others]
-        noticed, self._noticed = self._noticed, []
-        for found, flag in noticed:
-            flags.append(flag)
-            params += found
-        self._edited_params = params
-        if not flags:
-            return None
-        device = flags[0].device
-        return torch.cat([f.to(device) for f in flags])
+    def outside_stores(self) -> list[tuple[Tensor, Tensor]]:
+        """``(parameter, master)`` of the masters that are tensors of their own: outside the flat stores, or woken for
+        readers (the woken tensor)."""
+        held = self.held
+        return [(p, held.get(p, m)) for p, m in self.masters.items() if p not in self._where or p in held]
 
     def absorb_edits(self, grads: Gradients, flags: list[float]) -> list[str]:
         """The names of the weights edited since the last step; their masters took the edits at the check."""
-        if self._edited is None or not any(flags):
-            return []
-        edited = self._edited.tolist()
-        self._edited = None
-        return self.report_edits([p for p, e in zip(self._edited_params, edited) if e])
+        return self.report_edits(self.found.take(flags))
 
     @torch.inference_mode(False)  # from a state_dict() inside a validation loop: the state it writes outlives it
     def absorb_all_edits(self) -> list[str]:
         self._ensure_layout()
         self._sleep_all()
-        self._edited = self._check()
+        self.found.check()
         return self.absorb_edits(Gradients(), [1.0])
 
     def step_chunks(
@@ -374,7 +349,7 @@ class RemainderMasters(CopyMasters):
         return split(master)[0]
 
     def refresh(self) -> None:
-        awake = [(p, self.held.get(p, m)) for p, m in self.masters.items() if p not in self._where or p in self.held]
+        awake = self.outside_stores()
         self.write_halves([p for p, _ in awake], [m for _, m in awake])
 
     def write_halves(self, params: list[Tensor], masters: list[Tensor]) -> None:
