@@ -241,28 +241,12 @@ class MixedPrecisionEngine:
     def _sync(
         self, found_inf: Optional[Tensor], edited: Optional[Tensor], amax: Optional[Tensor] = None
     ) -> tuple[bool, bool, list[float]]:
-        """``(skip, loss_finite, edit flags)`` in one host sync. ``skip`` and ``loss_finite`` are all-reduced across
-        processes, so every rank takes the same decision; the edit flags are this process's own.
-
-        ``amax``, the largest unscaled gradient magnitude of a scaler still measuring (``init_scale="auto"``), rides in
-        the same all-reduce (max over processes: FSDP2's shards see parts of the gradients), so every rank chooses the
-        same scale; a clean step ends the measurement with it."""
+        """``(skip, loss_finite, edit flags)`` in one host sync (:func:`read_flags`); a scaler still measuring
+        (``init_scale="auto"``) chooses its scale from ``amax`` after a clean step."""
         loss_finite, self._loss_finite = self._loss_finite, None
-        present = [t for t in (found_inf, loss_finite, edited) if t is not None]
-        if not present:
+        values = read_flags(found_inf, loss_finite, edited, amax)
+        if values is None:
             return False, True, []
-        device = present[0].device
-        zero = torch.zeros((), device=device)
-        flags = torch.stack([
-            zero if found_inf is None else (found_inf.to(device) > 0).float(),
-            zero if loss_finite is None else (~loss_finite).float().to(device),
-            *(() if amax is None else (amax.to(device=device, dtype=torch.float32),)),
-        ])
-        if distributed():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if edited is not None:
-            flags = torch.cat([flags, edited.to(device=device, dtype=flags.dtype).reshape(-1)])
-        values = flags.tolist()  # the one host sync
         skip, rest = values[0] > 0, values[2:]
         if amax is not None:
             measured, rest = rest[0], rest[1:]
@@ -371,3 +355,34 @@ class MixedPrecisionEngine:
             if rescale:
                 self.masters.rescale(pending.grads, self.loss_scale)
         self._pending.clear()
+
+
+def read_flags(
+    found_inf: Optional[Tensor], loss_finite: Optional[Tensor], edited: Optional[Tensor], amax: Optional[Tensor]
+) -> Optional[list[float]]:
+    """The step's flags in one host sync: ``[non-finite gradient, non-finite loss, (amax), *edit flags]``, ``None``
+    when there are none. The first two and ``amax`` (the largest unscaled gradient magnitude of a scaler still
+    measuring) are all-reduced (max) across processes, so every rank takes the same decision and chooses the same
+    scale (FSDP2's shards see parts of the gradients); the edit flags are this process's own.
+
+    Example:
+        ```python
+        values = read_flags(torch.tensor(1.0), torch.tensor(True), torch.tensor([False, True]), None)
+        assert values == [1.0, 0.0, 0.0, 1.0]  # a non-finite gradient, a finite loss, the second weight edited
+        ```
+    """
+    present = [t for t in (found_inf, loss_finite, edited) if t is not None]
+    if not present:
+        return None
+    device = present[0].device
+    zero = torch.zeros((), device=device)
+    flags = torch.stack([
+        zero if found_inf is None else (found_inf.to(device) > 0).float(),
+        zero if loss_finite is None else (~loss_finite).float().to(device),
+        *(() if amax is None else (amax.to(device=device, dtype=torch.float32),)),
+    ])
+    if distributed():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if edited is not None:
+        flags = torch.cat([flags, edited.to(device=device, dtype=flags.dtype).reshape(-1)])
+    return flags.tolist()  # the one host sync
