@@ -19,6 +19,7 @@ from lightning_mpt import _compat
 from lightning_mpt.core.masters import Gradients, whole_step
 from lightning_mpt.core.masters._groups import GroupPlan, GroupSwap
 from lightning_mpt.core.masters._halves import ranges
+from lightning_mpt.core.masters._shown import is_faithful_copy, kept_exactly, show_clipping, sync_shown
 from lightning_mpt.core.masters._zeros import StandInZeros
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ class WholeStep:
         # collector's next pass, which walks the whole process (Lightning's object graph)
         # torch < 2.13, a step taken again: the half copies the last step left on the parameters stand for its exact
         # fp32 gradients, which are stepped again unrounded
-        exact = self._kept_exactly() if self._kept and not _compat.GRAD_DTYPE else {}
+        exact = kept_exactly(self._kept) if self._kept and not _compat.GRAD_DTYPE else {}
         usual = (
             not exact
             and all(map(is_, map(_DTYPE, halves), map(_DTYPE, params)))
@@ -208,15 +209,6 @@ class WholeStep:
         out.master_grads.extend(fp32)
         out.on_params.extend(fp32 if _compat.GRAD_DTYPE else grads[start:stop])
 
-    def _kept_exactly(self) -> dict[int, Tensor]:
-        """torch < 2.13: ``id`` of each half gradient copy that a kept step left untouched -> its fp32 gradient."""
-        return {
-            id(g): mg
-            for kept in self._kept
-            for i, (g, mg) in enumerate(zip(kept.on_params, kept.master_grads))
-            if _is_faithful_copy(kept, i, g)
-        }
-
     def sync_edits(self, grads: Gradients) -> None:
         """Make the master gradients what hooks left on the parameters since :meth:`prepare`: a gradient edited in
         place (torch < 2.13 shows half copies), assigned, or set to ``None`` (then the optimizer skips it)."""
@@ -231,16 +223,7 @@ class WholeStep:
                     else:
                         mg.copy_(now)
             return
-        for i, (p, shown, v) in enumerate(zip(grads.params, grads.on_params, grads.on_params_versions)):
-            now, master_grad = p.grad, grads.master_grads[i]
-            if now is master_grad or (now is shown and _compat.version(shown) == v):
-                continue
-            if now is None:
-                grads.masters[i].grad = None
-            else:
-                master_grad.copy_(now)
-            if now is shown:
-                grads.on_params_versions[i] = _compat.version(shown)
+        sync_shown(grads)
 
     def enter(self, optimizer: Optimizer, grads: Gradients) -> None:
         """Hand the masters to ``optimizer`` for its step."""
@@ -255,7 +238,8 @@ class WholeStep:
         master keeps the fp32 gradient it was stepped with until :meth:`release` (the next forward).
         """
         self.groups.swap(optimizer, False)
-        self._show_clipping(grads)
+        if not _compat.GRAD_DTYPE:
+            show_clipping(grads)
         if stepped:
             self._kept.append(grads)
         else:
@@ -277,28 +261,18 @@ class WholeStep:
         taken, or taken and not zeroed) are multiplied by ``scale``, the new backward's, in their parameters' own
         format, so the backward accumulates into them as into any gradient, as under "32-true" (clipping done
         meanwhile is kept). A gradient zeroed or dropped since stays so."""
-        self._show_clipping(grads)
+        if not _compat.GRAD_DTYPE:
+            show_clipping(grads)
         rest = [p.grad for p in grads.own_params if p.grad is not None]
         for i, (p, m, mg) in enumerate(zip(grads.params, grads.masters, grads.master_grads)):
             m.grad = None
             g = p.grad
-            if g is mg or (g is not None and _is_faithful_copy(grads, i, g)):
+            if g is mg or (g is not None and is_faithful_copy(grads, i, g)):
                 p.grad = mg.mul_(scale).to(p.dtype)  # scaled before it is rounded, so small values survive
             elif g is not None:
                 rest.append(g)
         if rest and scale != 1.0:
             _compat.foreach_mul_(rest, scale)
-
-    @staticmethod
-    def _show_clipping(grads: Gradients) -> None:
-        """torch < 2.13: the half copies shown on the parameters learn of clipping done to the master gradients."""
-        if _compat.GRAD_DTYPE:
-            return
-        for i, (shown, mg, v) in enumerate(zip(grads.on_params, grads.master_grads, grads.master_versions)):
-            if _compat.version(mg) != v:
-                shown.copy_(mg)
-                grads.master_versions[i] = _compat.version(mg)
-                grads.on_params_versions[i] = _compat.version(shown)
 
     def discard(self, grads: Gradients, zero: bool = False) -> None:
         """A skipped step: drop every gradient it had, the parameters' own included.
@@ -376,11 +350,3 @@ def _unscale_(grads: list[Tensor], inv_scale: float, device: Optional[torch.devi
         _compat.unscale_(group, found_inf, torch.full((), inv_scale, device=dev))
         found = found_inf if found is None else found + found_inf.to(found.device)
     return found
-
-
-def _is_faithful_copy(grads: Gradients, i: int, grad: Tensor) -> bool:
-    """torch < 2.13: whether ``grad`` is the half copy of master gradient ``i`` shown on its parameter, untouched
-    since it was written (so the master gradient holds the same values, unrounded)."""
-    return (
-        not _compat.GRAD_DTYPE and grad is grads.on_params[i] and _compat.version(grad) == grads.on_params_versions[i]
-    )
