@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_mpt._compat import GRAD_DTYPE
+from lightning_mpt import _compat
 from lightning_mpt._fp8_plugin import Float8Plugin
 from lightning_mpt._gradscaler import is_gradscaler_state, take_over
 from lightning_mpt.core.config import LIGHTNING_NAMES, MasterOptions, SkipPolicy, read_arguments
@@ -93,7 +93,7 @@ class MixedPrecisionPlugin(Float8Plugin):
             # and keeps a scaled sum from overflowing where "16-mixed" (fp32 gradients) does not
             fp32_when_accumulating=dtype == torch.float16
             and self.options.enabled
-            and GRAD_DTYPE
+            and _compat.GRAD_DTYPE
             and not self.options.chunk
             and not self.options.remainders,
         )

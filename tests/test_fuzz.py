@@ -24,15 +24,16 @@ the half format. Invariants:
 (vi) resume from a checkpoint equals the uninterrupted run, bitwise.
 
 ``FUZZ_EXAMPLES`` sets the number of examples (150 in the suite, derandomized so CI is reproducible; ``make fuzz``
-runs 2000 with fresh randomness).
-"""
+runs 2000 with fresh randomness). A quarter as many run again on torch < 2.13's path (the hooks see half copies of
+the fp32 master gradients), which this torch takes when its feature flag says so."""
 
 from __future__ import annotations
 
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -46,7 +47,7 @@ from models import InjectInf, quiet_trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mpt import DynamicLossScaler, MPTPrecision
+from lightning_mpt import DynamicLossScaler, MPTPrecision, _compat
 from lightning_mpt.core.masters.remainders import split
 
 pytestmark = pytest.mark.slow
@@ -422,6 +423,34 @@ def check(setup: Setup, extra: tuple[L.Callback, ...] = ()) -> None:
 @given(setups())
 def test_every_step_matches_an_independent_fp32_replay(setup: Setup) -> None:
     check(setup)
+
+
+@contextmanager
+def as_before_torch_2_13() -> Iterator[None]:
+    """Run the plugin as it runs on torch < 2.13, where a half parameter cannot hold an fp32 gradient: its ``.grad``
+    shows a half copy of the master gradient during a step (``lightning_mpt/core/masters/_shown.py``). The plugin's
+    one switch is the feature flag ``_compat.GRAD_DTYPE``, read at each conversion and step."""
+    before = _compat.GRAD_DTYPE
+    _compat.GRAD_DTYPE = False
+    try:
+        yield
+    finally:
+        _compat.GRAD_DTYPE = before
+
+
+@settings(
+    max_examples=max(1, EXAMPLES // 4),
+    deadline=None,
+    derandomize=not RANDOM,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+@given(setups())
+def test_every_step_matches_the_replay_on_torch_before_2_13(setup: Setup) -> None:
+    """The same invariants on torch < 2.13's path (most GPU users' torch), which this torch runs when told to: the
+    hooks see half copies of the fp32 master gradients, kept in step with them by version counters."""
+    with as_before_torch_2_13():
+        check(setup)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 from torch.nn import Module
 
-from lightning_mpt._compat import GRAD_DTYPE
+from lightning_mpt import _compat
 from lightning_mpt.core.fp8 import Float8Setup, check_fp8
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
 from lightning_mpt.core.scaler import DynamicLossScaler
@@ -70,7 +70,7 @@ def check_arguments(
         raise ValueError(f"MPTPrecision(max_consecutive_skips={max_consecutive_skips!r}): expected an int >= 1.")
     if not isinstance(accumulate_fp32, bool):
         raise TypeError(f"MPTPrecision(accumulate_fp32={accumulate_fp32!r}): expected a bool (True or False).")
-    if accumulate_fp32 and not (master_weights and GRAD_DTYPE):
+    if accumulate_fp32 and not (master_weights and _compat.GRAD_DTYPE):
         raise ValueError(
             "MPTPrecision(accumulate_fp32=True) needs master_weights=True and torch >= 2.13 (a half-precision "
             "parameter "
