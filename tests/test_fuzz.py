@@ -413,13 +413,18 @@ def check(setup: Setup, extra: tuple[L.Callback, ...] = ()) -> None:
                 assert torch.equal(a, b), setup
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=not RANDOM,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
+def fuzz_settings(examples: int) -> settings:
+    """Hypothesis' settings for ``examples`` drawn setups: derandomized unless ``FUZZ_RANDOM=1``, no deadline."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=not RANDOM,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,
+    )
+
+
+@fuzz_settings(EXAMPLES)
 @given(setups())
 def test_every_step_matches_an_independent_fp32_replay(setup: Setup) -> None:
     check(setup)
@@ -438,13 +443,7 @@ def as_before_torch_2_13() -> Iterator[None]:
         _compat.GRAD_DTYPE = before
 
 
-@settings(
-    max_examples=max(1, EXAMPLES // 4),
-    deadline=None,
-    derandomize=not RANDOM,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    print_blob=True,
-)
+@fuzz_settings(max(1, EXAMPLES // 4))
 @given(setups())
 def test_every_step_matches_the_replay_on_torch_before_2_13(setup: Setup) -> None:
     """The same invariants on torch < 2.13's path (most GPU users' torch), which this torch runs when told to: the
