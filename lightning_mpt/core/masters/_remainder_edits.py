@@ -15,6 +15,27 @@ if TYPE_CHECKING:
     from lightning_mpt.core.masters.remainders import RemainderMasters
 
 
+def adopt_whole_edit(param: Tensor, master: Tensor) -> Tensor:
+    """Whether ``param``'s weight differs from ``master`` (an fp32 tensor of its own) rounded as the weights are (ties
+    away from zero; in the weight's own format if user code gave it data of another); if so, ``master`` takes the
+    weight's value, the whole tensor. The flag stays on the device (0-dim): no host sync.
+
+    Example:
+        ```python
+        master = torch.tensor([1.0 + 2.0**-8, 3.0])  # a tie: its weight rounds away from zero
+        weight = split(master)[0]
+        assert not adopt_whole_edit(weight, master) and master[0] == 1.0 + 2.0**-8
+        weight[1] = 0.5
+        assert adopt_whole_edit(weight, master) and master.tolist() == [1.0 + 2.0**-7, 0.5]
+        ```
+    """
+    with torch.no_grad():
+        rounded = split(master.detach())[0] if param.dtype == torch.bfloat16 else master.detach().to(param.dtype)
+        edited = bits_differ(rounded, param)
+        master.copy_(torch.where(edited, param.detach().float(), master))
+    return edited
+
+
 class RemainderEdits:
     """Weights edited in place since their masters were last written, found and adopted: a sleeping master takes its
     weight's edit (its remainder zeroed), a woken one the whole edited weight. What the checks find stays on the
@@ -57,13 +78,7 @@ class RemainderEdits:
         flags = [store.check() for store in owner.stores] if stores else []
         params = [p for store in owner.stores for p in store.params] if stores else []
         others = owner.outside_stores()
-        with torch.no_grad():
-            for p, m in others:
-                # a weight given data of another format (an fp32 tensor assigned to .data) is compared in it
-                rounded = split(m.detach())[0] if p.dtype == torch.bfloat16 else m.detach().to(p.dtype)
-                edited = bits_differ(rounded, p)
-                m.copy_(torch.where(edited, p.detach().float(), m))
-                flags.append(edited.reshape(1))
+        flags += [adopt_whole_edit(p, m).reshape(1) for p, m in others]
         params += [p for p, _ in others]
         noticed, self.noticed = self.noticed, []
         for found, flag in noticed:

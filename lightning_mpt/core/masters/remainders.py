@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32, Gradients, distributed, params_of
-from lightning_mpt.core.masters._remainder_edits import RemainderEdits
+from lightning_mpt.core.masters._remainder_edits import RemainderEdits, adopt_whole_edit
 from lightning_mpt.core.masters._remainder_store import RemainderStore, fingerprint, join, split
 from lightning_mpt.core.masters.chunked import DEFAULT_CHUNK, ChunkedStep
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -236,8 +236,7 @@ class RemainderMasters(CopyMasters):
             return
         with torch.no_grad():
             for p, m in self.held.items():
-                edited = torch.ne(p.detach().view(torch.int16), split(m)[0].view(torch.int16)).any()
-                m.copy_(torch.where(edited, p.detach().float(), m))
+                adopt_whole_edit(p, m)
                 store = self._where.get(p)
                 if store is not None:
                     store.rems[store.position(p)].copy_(split(m)[1])
