@@ -5,7 +5,8 @@
     python benchmarks/engine_overhead.py --steps 200 --threads 1
     python benchmarks/engine_overhead.py --parts                # also: where the time goes, method by method
                                                                 # (means: a round's first step lays out buffers)
-    python benchmarks/engine_overhead.py --floor                # also: the tensor work alone, without bookkeeping
+    python benchmarks/engine_overhead.py --floor                # also: the tensor work alone, without bookkeeping,
+                                                                # and the least a step does; each as a ratio too
     python benchmarks/engine_overhead.py --device cuda          # the host time on a GPU (make gpu-check)
     python benchmarks/engine_overhead.py --convert 2000          # conversion time: 2000 and 8000 tensors
 
@@ -160,31 +161,68 @@ def conversion(tensors: int, dtype: torch.dtype) -> float:
     return time.perf_counter() - t
 
 
-def tensor_passes(steps: int, depth: int, width: int, dtype: torch.dtype, device: torch.device) -> list[float]:
-    """Seconds per step of the plugin's tensor work alone, without its bookkeeping (``--floor``): the half gradients
-    copied into one fp32 buffer, the edit check (the masters rounded into a scratch laid out as the flat half weights,
-    the bits compared at once), the unscale with its non-finite check, and the masters rounded into the weights."""
-    halves = [torch.nn.Parameter(p.detach().to(dtype)) for p in deep_mlp(depth, width).to(device).parameters()]
+def tensor_passes(
+    steps: int, depth: int, width: int, dtype: torch.dtype, device: torch.device, least: bool = False
+) -> list[float]:
+    """Seconds per step of the plugin's tensor work alone, without its bookkeeping (``--floor``), in a training loop
+    of its own that runs as the plugin's does (a half model's forward and backward, then the timed work before the
+    optimizer's step on the masters, the step untimed, then the timed work after it), so that the data and the
+    tensors' metadata are in the caches as they are in the plugin's step: the half gradients copied into one fp32
+    buffer, the edit check (the masters rounded into a scratch laid out as the flat half weights, the bits compared at
+    once), the unscale with its non-finite check, and the masters rounded into the weights.
+
+    ``least``: the least that a step of the plugin does instead, as it runs from the second step on: the edit check is
+    the flat weights' fingerprints compared with those expected, taken again after the refresh (the check that needs no
+    copy of the weights), and each fp32 gradient is attached to its parameter (where hooks and clipping see it; torch
+    >= 2.13) and dropped at the end, as ``release`` does."""
+    model = deep_mlp(depth, width).to(device=device, dtype=dtype)
+    halves = list(model.parameters())
     masters = [h.detach().float() for h in halves]
-    grads = [torch.randn_like(h) for h in halves]
     layout = FlatLayout(masters)  # the plugin's gradient buffer: each shape's tensors side by side
     fp32, views = layout.views(torch.float32, device)
+    for m, g in zip(masters, views):
+        m.grad = g  # the optimizer steps the masters with them
+    opt = torch.optim.AdamW(masters, lr=1e-3)
     flat = HalfWeights(halves, chunk=2**24)  # the plugin's flat half weights and its edit check
     check = FlatEdits(flat)
     master_of = dict(zip(halves, masters))
     aligned = [master_of[p] for p in flat.params]
     found, inv = torch.zeros((), device=device), torch.full((), 1 / 1024, device=device)
+    on_params = least and hasattr(torch.Tensor, "grad_dtype")  # torch >= 2.13: as under the plugin
+    for h in halves if on_params else ():
+        h.grad_dtype = None  # a half parameter may hold an fp32 gradient
+    expected = flat.fingerprints(upper=True)
+    x, y = torch.randn(16, width, device=device, dtype=dtype), torch.randn(16, width, device=device)
     times = []
     for _ in range(steps):
+        (nn.functional.mse_loss(model(x).float(), y) * 1024).backward()
         settle(device)
         t = clock()
+        grads = [h.grad for h in halves]
         torch._foreach_copy_(views, grads)
-        check.flags(aligned)
+        del grads
+        if least:
+            for h, g in zip(halves, views):
+                h.grad = g if on_params else None
+            torch.equal(flat.fingerprints(upper=True), expected)
+        else:
+            for h in halves:
+                h.grad = None
+            check.flags(aligned)
         torch._amp_foreach_non_finite_check_and_unscale_([fp32], found, inv)
+        settle(device)
+        spent = clock() - t
+        opt.step()
+        settle(device)
+        t = clock()
         with torch.no_grad():
             torch._foreach_copy_(halves, masters)
+        if least:
+            expected = flat.fingerprints(upper=True)
+            for h in halves:
+                h.grad = None
         settle(device)
-        times.append(clock() - t)
+        times.append(spent + clock() - t)
     return times
 
 
@@ -200,7 +238,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda: the host time of the same phases on a GPU")
     p.add_argument("--clock", choices=["thread", "wall"], help="default: thread on a CPU, wall on a GPU")
     p.add_argument("--parts", action="store_true", help="also time the masters' inner methods (adds a little to each)")
-    p.add_argument("--floor", action="store_true", help="also time the tensor work alone (the copies and compares)")
+    p.add_argument("--floor", action="store_true", help="also time the tensor work alone, and the least a step does")
     p.add_argument(
         "--convert", type=int, metavar="N", help="instead: convert and restore N and 4N tensors (linear: ratio ~4)"
     )
@@ -221,16 +259,13 @@ def main() -> None:
             f"{large:.3f} s: {large / small:.1f}x for 4x the tensors"
         )
         return
-    if args.floor:
-        floor = [
-            1000 * statistics.median(tensor_passes(args.steps, args.depth, args.width, dtype, device)[args.warmup :])
-            for _ in range(args.rounds)
-        ]
-        spread = f"[{min(floor):.3f}-{max(floor):.3f}]"
-        print(f"the plugin's tensor work alone, ms/step: {statistics.median(floor):.3f} {spread}")
+    floors = {"tensor work alone": False, "least a step does": True} if args.floor else {}
     parts = timed_parts() if args.parts else {}
     per_round: dict[str, list[float]] = {}
     for _ in range(args.rounds):
+        for name, least in floors.items():
+            times = tensor_passes(args.steps, args.depth, args.width, dtype, device, least)
+            per_round.setdefault(name, []).append(1000 * statistics.median(times[args.warmup :]))
         for times in (
             mpt_round(args.steps, args.depth, args.width, dtype, device),
             scaler_round(args.steps, args.depth, args.width, device),
@@ -257,6 +292,12 @@ def main() -> None:
     ]
     label = "with zero_grad"
     print(f"  {label:18s} {statistics.median(with_zero):7.2f}x [{min(with_zero):.2f}-{max(with_zero):.2f}]")
+    scaler_zero = [a + b for a, b in zip(per_round["unscale_+update"], per_round["zero_grad (GradScaler)"])]
+    for name in floors:  # the same per-round ratios for the floors (which drop the gradients, as zero_grad does)
+        for label, against in ((f"{name} / GradScaler", "unscale_+update"), ("  with zero_grad", None)):
+            base = per_round[against] if against else scaler_zero
+            ratios = [floor / scaler for floor, scaler in zip(per_round[name], base)]
+            print(f"  {label:18s} {statistics.median(ratios):7.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
     if parts:
         print("the masters' inner methods, ms per step (mean over every step of every round; x2: two calls a step)")
         for label, values in parts.items():
