@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from lightning_mpt import _compat
 from lightning_mpt._fp8_plugin import Float8Plugin
 from lightning_mpt._gradscaler import is_gradscaler_state, take_over
-from lightning_mpt.core.config import LIGHTNING_NAMES, MasterOptions, SkipPolicy, read_arguments
+from lightning_mpt.core.config import LIGHTNING_NAMES, MasterOptions, SkipPolicy, named_as_given, read_arguments
 from lightning_mpt.core.engine import MixedPrecisionEngine
 from lightning_mpt.core.masters import Masters, params_of
 from lightning_mpt.core.masters.build import build_masters
@@ -81,7 +81,7 @@ class MixedPrecisionPlugin(Float8Plugin):
         self._dtype = dtype
         self._reported_edits = set()
         # the options as given (None: the format's default, which FSDP2 resolves its own way) and as they apply here
-        self._given = args.masters
+        self._given, self._given_object = args.masters, args.masters_object
         self.options = self._given.resolved(dtype)
         self._engine = MixedPrecisionEngine(
             build_masters(self.options, dtype, args.keep_fp32, chunks_asked=self._given.chunk is not None),
@@ -122,8 +122,9 @@ class MixedPrecisionPlugin(Float8Plugin):
 
     def _sharded_masters(self, loop: Loop) -> Masters:
         """FSDP2's own fp32 shards as the masters, or a clear error where they cannot be."""
-        self._refuse_under_fsdp2()
-        check_sharded(self.master_weights, "sharded=True, " if loop == "fabric" else "")
+        with named_as_given("masters", self._given_object):
+            self._refuse_under_fsdp2()
+            check_sharded(self.master_weights, "sharded=True, " if loop == "fabric" else "")
         return build_masters(self.options, self._dtype, self.keep_fp32, loop, report_half_kept)
 
     # ------------------------------------------------------------------ public attributes

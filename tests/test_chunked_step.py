@@ -18,7 +18,7 @@ import torch
 from models import InjectInf, quiet_trainer, regression_data
 from torch import nn
 
-from lightning_mpt import MPTPrecision
+from lightning_mpt import Fp8Options, MasterOptions, MPTPrecision, SkipPolicy
 from lightning_mpt.core.masters.chunked import ChunkedStep
 
 OPTIMIZERS = {
@@ -259,7 +259,68 @@ def test_the_masters_options_in_one_object_or_as_single_arguments() -> None:
             plugin("bf16", masters={"chunk": 4})
         with pytest.raises(ValueError, match="needs precision='bf16'"):
             plugin("fp16", masters=MasterOptions(remainders=True))
-    # Fabric's sharded=True reads the options given in the object too: no masters is refused as master_weights=False is
-    for masters in ({"master_weights": False}, {"masters": MasterOptions(enabled=False)}):
-        with pytest.raises(ValueError, match="master_weights=False\\) is not supported under FSDP2"):
-            FabricMPTPrecision("bf16", sharded=True, **masters)
+
+
+GROUPED_MISTAKES = [  # (given in its object, the same as single arguments, the error, what it says)
+    ({"masters": MasterOptions(chunk=0)}, {"chunked_step": 0}, ValueError, "(masters.chunk=0): expected True"),
+    ({"masters": MasterOptions(enabled="yes")}, {"master_weights": "yes"}, TypeError, "(masters.enabled='yes'): "),
+    ({"masters": MasterOptions(remainders=1)}, {"master_remainders": 1}, TypeError, "(masters.remainders=1): "),
+    ({"masters": MasterOptions(accumulate_fp32=1)}, {"accumulate_fp32": 1}, TypeError, "(masters.accumulate_fp32=1): "),
+    (
+        {"masters": MasterOptions(enabled=False, chunk=True)},
+        {"master_weights": False, "chunked_step": True},
+        ValueError,
+        "(masters.chunk=...) steps fp32 masters in chunks: it needs masters.enabled=True.",
+    ),
+    ({"skips": SkipPolicy(max_consecutive=0)}, {"max_consecutive_skips": 0}, ValueError, "(skips.max_consecutive=0): "),
+    ({"skips": SkipPolicy(retries=-1)}, {"overflow_retries": -1}, ValueError, "(skips.retries=-1): expected an int"),
+    (
+        {"skips": SkipPolicy(advance_schedulers="no")},
+        {"skipped_steps_advance_schedulers": "no"},
+        TypeError,
+        "(skips.advance_schedulers='no'): expected a bool",
+    ),
+    ({"fp8": Fp8Options(emulate="x")}, {"fp8": True, "fp8_emulate": "x"}, TypeError, "(fp8.emulate='x'): expected"),
+    ({"fp8": Fp8Options(filter=3)}, {"fp8": True, "fp8_filter": 3}, TypeError, "(fp8.filter=3): expected None"),
+]
+
+
+@pytest.mark.parametrize(
+    ("given", "single", "error", "message"), GROUPED_MISTAKES, ids=[m[3].split(")")[0][1:] for m in GROUPED_MISTAKES]
+)
+def test_an_option_given_in_its_object_is_named_as_written(
+    given: dict[str, Any], single: dict[str, Any], error: type, message: str
+) -> None:
+    """A wrong field of ``MasterOptions``, ``SkipPolicy`` or ``Fp8Options`` is named as the user wrote it
+    (``masters.chunk=0``), not as the single argument that stands for it (``chunked_step=0``, which names the same
+    mistake made as a single argument), in both plugins."""
+    from lightning_mpt.fabric import MPTPrecision as FabricMPTPrecision
+
+    for plugin in (MPTPrecision, FabricMPTPrecision):
+        if plugin is FabricMPTPrecision and "skips" in given and given["skips"].retries:
+            continue  # retries are the Trainer's: Fabric refuses any number, with a message of its own
+        with pytest.raises(error) as grouped:
+            plugin("bf16", **given)
+        assert "MPTPrecision" + message in str(grouped.value), str(grouped.value)
+        with pytest.raises(error) as alone:
+            plugin("bf16", **single)
+        said = str(alone.value)
+        assert not any(f"{group}." in said for group in ("masters", "skips", "fp8")), said
+        assert f"{list(single)[-1]}=" in said, said
+
+
+def test_an_option_refused_under_fsdp2_is_named_as_written() -> None:
+    """Fabric's ``sharded=True`` refuses the options FSDP2 cannot take (no masters, chunks), naming each as the user
+    gave it: a field of ``MasterOptions`` or a single argument."""
+    from lightning_mpt import MasterOptions
+    from lightning_mpt.fabric import MPTPrecision as FabricMPTPrecision
+
+    refused = "is not supported under FSDP2"
+    with pytest.raises(ValueError, match=rf"\(masters.chunk=...\) {refused}.*Leave masters.chunk unset"):
+        FabricMPTPrecision("bf16", sharded=True, masters=MasterOptions(chunk=4))
+    with pytest.raises(ValueError, match=rf"\(chunked_step=...\) {refused}.*Leave chunked_step unset"):
+        FabricMPTPrecision("bf16", sharded=True, chunked_step=4)
+    with pytest.raises(ValueError, match=rf"\(sharded=True, masters.enabled=False\) {refused}"):
+        FabricMPTPrecision("bf16", sharded=True, masters=MasterOptions(enabled=False))
+    with pytest.raises(ValueError, match=rf"\(sharded=True, master_weights=False\) {refused}"):
+        FabricMPTPrecision("bf16", sharded=True, master_weights=False)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, Optional, Union
 
@@ -238,6 +240,7 @@ class PluginArguments:
         masters: the masters' options as given (``None``: the format's default, which FSDP2 resolves its own way).
         skips: what a skipped step does, ``retries`` checked against the scaler.
         fp8: the fp8 conversion (``None``: off).
+        masters_object: the ``MasterOptions`` given as ``masters=``, if it was (later errors name its fields).
 
     Example:
         ```python
@@ -252,6 +255,7 @@ class PluginArguments:
     masters: MasterOptions
     skips: SkipPolicy
     fp8: Optional[Float8Setup]
+    masters_object: Optional[MasterOptions] = None  # given as masters=MasterOptions(...): errors name its fields
 
 
 def read_arguments(
@@ -280,12 +284,8 @@ def read_arguments(
             masters,
             MasterOptions,
             "MasterOptions(remainders=False, chunk=2**22)",
-            (
-                ("master_weights", master_weights, True),
-                ("master_remainders", master_remainders, None),
-                ("chunked_step", chunked_step, None),
-                ("accumulate_fp32", accumulate_fp32, False),
-            ),
+            (master_weights, master_remainders, chunked_step, accumulate_fp32),
+            (True, None, None, False),
         )
     if skips is not None:
         max_consecutive_skips, overflow_retries, skipped_steps_advance_schedulers = _grouped(
@@ -293,49 +293,102 @@ def read_arguments(
             skips,
             SkipPolicy,
             "SkipPolicy(max_consecutive=100, advance_schedulers=False)",
-            (
-                ("max_consecutive_skips", max_consecutive_skips, 50),
-                ("overflow_retries", overflow_retries, 0),
-                ("skipped_steps_advance_schedulers", skipped_steps_advance_schedulers, True),
-            ),
+            (max_consecutive_skips, overflow_retries, skipped_steps_advance_schedulers),
+            (50, 0, True),
         )
-    if not isinstance(skipped_steps_advance_schedulers, bool):
-        raise TypeError(
-            f"MPTPrecision(skipped_steps_advance_schedulers={skipped_steps_advance_schedulers!r}): expected a bool "
-            "(True: a skipped step counts for the LR schedulers, as in Lightning; False: it does not, as in "
-            "Megatron-LM and DeepSpeed)."
-        )
-    dtype, checked_scaler, kept = check_arguments(
-        precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
-    )
-    if isinstance(fp8, Fp8Options):
+    fp8_given = fp8 if isinstance(fp8, Fp8Options) else None
+    if fp8_given is not None:
         fp8, fp8_filter, fp8_emulate = _grouped(
             "fp8",
             fp8,
             Fp8Options,
             "Fp8Options('rowwise', emulate=True)",
-            (("fp8_filter", fp8_filter, None), ("fp8_emulate", fp8_emulate, False)),
+            (None, fp8_filter, fp8_emulate),
+            (None, None, False),
         )
-    retries = check_overflow_retries(overflow_retries, checked_scaler)
+    with named_as_given("masters", masters), named_as_given("skips", skips), named_as_given("fp8", fp8_given):
+        if not isinstance(skipped_steps_advance_schedulers, bool):
+            raise TypeError(
+                f"MPTPrecision(skipped_steps_advance_schedulers={skipped_steps_advance_schedulers!r}): expected a bool "
+                "(True: a skipped step counts for the LR schedulers, as in Lightning; False: it does not, as in "
+                "Megatron-LM and DeepSpeed)."
+            )
+        dtype, checked_scaler, kept = check_arguments(
+            precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
+        )
+        options = MasterOptions(master_weights, master_remainders, chunked_step, accumulate_fp32)
+        options.resolved(dtype)  # checked here, where its error names what was given; each plugin resolves its own
+        retries = check_overflow_retries(overflow_retries, checked_scaler)
+        fp8_setup = check_fp8(fp8, fp8_filter, precision, fp8_emulate)
     return PluginArguments(
         dtype,
         checked_scaler,
         kept,
-        MasterOptions(master_weights, master_remainders, chunked_step, accumulate_fp32),
+        options,
         SkipPolicy(max_consecutive_skips, retries, skipped_steps_advance_schedulers),
-        check_fp8(fp8, fp8_filter, precision, fp8_emulate),
+        fp8_setup,
+        masters,
     )
 
 
-def _grouped(argument: str, options: Any, cls: type, example: str, singles: tuple[tuple[str, Any, Any], ...]) -> Any:
+#: the single arguments that stand for the fields of each grouped option, in the fields' order
+SINGLES = {
+    "masters": ("master_weights", "master_remainders", "chunked_step", "accumulate_fp32"),
+    "skips": ("max_consecutive_skips", "overflow_retries", "skipped_steps_advance_schedulers"),
+    "fp8": ("fp8", "fp8_filter", "fp8_emulate"),
+}
+
+
+@contextmanager
+def named_as_given(argument: str, options: Any) -> Iterator[None]:
+    """Make an error raised inside name the fields of ``options``, given as ``MPTPrecision(<argument>=options)``,
+    where it names the single arguments that stand for them: ``masters.chunk=0`` for ``chunked_step=0``. With
+    ``options`` ``None`` (the single arguments were given) errors pass unchanged.
+
+    Args:
+        argument: ``"masters"``, ``"skips"`` or ``"fp8"``.
+        options: the grouped object given, or ``None``.
+
+    Example:
+        ```python
+        import pytest
+
+        with pytest.raises(ValueError, match="masters.chunk=0"):
+            with named_as_given("masters", MasterOptions(chunk=0)):
+                check_chunked_step(0, True)
+        ```
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        if options is None:
+            raise
+        named = {single: f"{argument}.{f.name}" for single, f in zip(SINGLES[argument], fields(type(options)))}
+        # a name with "_" is an identifier wherever it stands; "fp8" is also a word of the sentence, an argument only
+        # before "="; one pass, so that a field named as its argument is not named twice
+        pattern = "|".join(rf"{s}\b" if "_" in s else rf"{s}(?==)" for s in named)
+        message = re.sub(rf"(?<![.\w])(?:{pattern})", lambda m: named[m.group(0)], str(error))
+        if message == str(error):
+            raise
+        raise type(error)(message) from None
+
+
+def _grouped(
+    argument: str, options: Any, cls: type, example: str, singles: tuple[Any, ...], defaults: tuple[Any, ...]
+) -> Any:
     """The fields of ``MPTPrecision(<argument>=cls(...))``, in their order; the single arguments that stand for them
-    (``(name, value, default)``) must be left at their defaults."""
+    (their values ``singles``, named in :data:`SINGLES`; ``None`` for the one the object itself is given as) must be
+    left at their ``defaults``."""
     if not isinstance(options, cls):
         raise TypeError(
             f"MPTPrecision({argument}={options!r}): expected a lightning_mpt.{cls.__name__}, e.g. {example}."
         )
     # a default given explicitly (max_consecutive_skips=50) is no conflict; True for 1 or 0 for False would be
-    given = [name for name, value, unset in singles if not (type(value) is type(unset) and value == unset)]
+    given = [
+        name
+        for name, value, unset in zip(SINGLES[argument], singles, defaults)
+        if name != argument and not (type(value) is type(unset) and value == unset)
+    ]
     if given:
         names = ", ".join(f.name for f in fields(cls))
         raise ValueError(

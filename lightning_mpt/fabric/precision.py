@@ -15,7 +15,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mpt._plugin import check_sharded, lbfgs_unsupported
-from lightning_mpt.core.config import MasterOptions, SkipPolicy
+from lightning_mpt.core.config import MasterOptions, SkipPolicy, named_as_given
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedStep
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -123,9 +123,10 @@ class MPTPrecision(ModuleHooks, Precision):
                 "Trainer's training_step again on the same batch, and Fabric's loop is your own. Leave retries at 0 "
                 "(the step is skipped; precision.last_step_skipped says so, and your loop may run the batch again)."
             )
-        _check_sharded(sharded, self.master_weights)
-        if sharded:
-            self._refuse_under_fsdp2()
+        with named_as_given("masters", self._given_object):
+            _check_sharded(sharded, self.master_weights)
+            if sharded:
+                self._refuse_under_fsdp2()
         self.sharded = sharded
         self._said_whole = False  # the note that fabric.clip_gradients takes a whole step
         # the converted module and its set-up, which Fabric lets the plugin finish only at the first forward, backward
