@@ -2,7 +2,8 @@
 "32-true" run, a hand computation, torch itself): manual optimization through ``self.optimizers()``, several
 steps per batch, tied weights, several optimizers, optimizers that ignore the closure, optimizer state built at
 construction, clipping with a non-finite norm, modules autocast does not cover, weights edited in place, bad
-arguments. Every test here failed before the fix it guards (issue 10)."""
+arguments. Every test here failed before the fix it guards (issue 10), except activation checkpointing, which held
+when first tried and is kept as a guard."""
 
 from __future__ import annotations
 
@@ -1012,3 +1013,45 @@ def test_a_hidden_units_sign_flip_is_adopted_as_by_the_exact_check():
     got, exact = run([]), run([ExactEditCheck()])
     for n in exact:
         assert torch.equal(got[n], exact[n]), n
+
+
+# ------------------------------------------------------------------------ activation checkpointing
+
+
+class Recomputed(TinyMLP):
+    """``torch.utils.checkpoint`` around the network (``reentrant``: torch's older implementation; ``None``: no
+    checkpoint): the backward runs the forward again, under the autocast state of the first forward."""
+
+    def __init__(self, reentrant: Any) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant is None:
+            return self.net(x)
+        # the reentrant implementation needs an input that requires grad to give its output a graph
+        return torch.utils.checkpoint.checkpoint(
+            self.net, x.requires_grad_(self.reentrant), use_reentrant=self.reentrant
+        )
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_activation_checkpointing_gives_the_run_without_it(precision: str) -> None:
+    """A recomputed forward is the same half-precision forward (autocast's cache, which would give the recomputation
+    other casts, is off): the weights after fit are those of the same run without checkpointing, bitwise (the same
+    kernels on the same values in the same order; each parameter receives one gradient per step). Also with torch's
+    reentrant checkpoint."""
+    torch.manual_seed(0)
+    initial = Recomputed(None).state_dict()
+    weights = {}
+    for reentrant in (None, False, True):
+        model = Recomputed(reentrant)
+        model.load_state_dict(initial)
+        quiet_trainer(max_steps=6, plugins=[MPTPrecision(precision)]).fit(model, regression_data())
+        weights[reentrant] = snapshot(model)
+    for reentrant in (False, True):
+        for name, value in weights[None].items():
+            assert torch.equal(weights[reentrant][name], value), (reentrant, name)
+    start = Recomputed(None)
+    start.load_state_dict(initial)
+    assert moved(snapshot(start), weights[None]) > 1e-3  # a run that trained
