@@ -82,7 +82,8 @@ class MixedPrecisionPlugin(Float8Plugin):
         self._reported_edits = set()
         # the options as given (None: the format's default, which FSDP2 resolves its own way) and as they apply here
         self._given, self._given_object = args.masters, args.masters_object
-        self.options = self._given.resolved(dtype)
+        with named_as_given("masters", self._given_object):
+            self.options = self._given.resolved(dtype)
         self._engine = MixedPrecisionEngine(
             build_masters(self.options, dtype, args.keep_fp32, chunks_asked=self._given.chunk is not None),
             args.scaler,

@@ -316,15 +316,13 @@ def read_arguments(
         dtype, checked_scaler, kept = check_arguments(
             precision, scaler, master_weights, keep_fp32, max_consecutive_skips, accumulate_fp32
         )
-        options = MasterOptions(master_weights, master_remainders, chunked_step, accumulate_fp32)
-        options.resolved(dtype)  # checked here, where its error names what was given; each plugin resolves its own
         retries = check_overflow_retries(overflow_retries, checked_scaler)
         fp8_setup = check_fp8(fp8, fp8_filter, precision, fp8_emulate)
     return PluginArguments(
         dtype,
         checked_scaler,
         kept,
-        options,
+        MasterOptions(master_weights, master_remainders, chunked_step, accumulate_fp32),
         SkipPolicy(max_consecutive_skips, retries, skipped_steps_advance_schedulers),
         fp8_setup,
         masters,
