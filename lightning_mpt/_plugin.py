@@ -110,22 +110,23 @@ class MixedPrecisionPlugin(Float8Plugin):
         """Whether bf16 masters sleep as 16-bit remainders between steps (off FSDP2)."""
         return bool(self.options.remainders)
 
-    def _refuse_under_fsdp2(self) -> None:
-        """A clear error for the options given that FSDP2 cannot take; the options FSDP2 applies."""
-        for option, value in (("chunked_step", self._given.chunk), ("master_remainders", self._given.remainders)):
-            if value not in (None, False):
-                raise ValueError(
-                    f"MPTPrecision({option}=...) is not supported under FSDP2 (ModelParallelStrategy): FSDP2's fp32 "
-                    "shards are the masters, and its step holds 1/N of the gradients per process already. Leave "
-                    f"{option} unset."
-                )
+    def _check_under_fsdp2(self, asked: str = "") -> None:
+        """A clear error for the options given that FSDP2 cannot take, named as they were given (``asked``: the
+        plugin's arguments that asked for FSDP2, for the message); the options FSDP2 applies."""
+        with named_as_given("masters", self._given_object):
+            for option, value in (("chunked_step", self._given.chunk), ("master_remainders", self._given.remainders)):
+                if value not in (None, False):
+                    raise ValueError(
+                        f"MPTPrecision({option}=...) is not supported under FSDP2 (ModelParallelStrategy): FSDP2's "
+                        "fp32 shards are the masters, and its step holds 1/N of the gradients per process already. "
+                        f"Leave {option} unset."
+                    )
+            check_sharded(self.master_weights, asked)
         self.options = self._given.resolved(self._dtype, sharded=True)
 
     def _sharded_masters(self, loop: Loop) -> Masters:
         """FSDP2's own fp32 shards as the masters, or a clear error where they cannot be."""
-        with named_as_given("masters", self._given_object):
-            self._refuse_under_fsdp2()
-            check_sharded(self.master_weights, "sharded=True, " if loop == "fabric" else "")
+        self._check_under_fsdp2("sharded=True, " if loop == "fabric" else "")
         return build_masters(self.options, self._dtype, self.keep_fp32, loop, report_half_kept)
 
     # ------------------------------------------------------------------ public attributes

@@ -14,8 +14,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mpt._plugin import check_sharded, lbfgs_unsupported
-from lightning_mpt.core.config import MasterOptions, SkipPolicy, named_as_given
+from lightning_mpt._plugin import lbfgs_unsupported
+from lightning_mpt.core.config import MasterOptions, SkipPolicy
 from lightning_mpt.core.masters import DEFAULT_KEEP_FP32
 from lightning_mpt.core.masters.chunked import ChunkedGrads, ChunkedStep
 from lightning_mpt.core.masters.copies import CopyMasters
@@ -123,10 +123,10 @@ class MPTPrecision(ModuleHooks, Precision):
                 "Trainer's training_step again on the same batch, and Fabric's loop is your own. Leave retries at 0 "
                 "(the step is skipped; precision.last_step_skipped says so, and your loop may run the batch again)."
             )
-        with named_as_given("masters", self._given_object):
-            _check_sharded(sharded, self.master_weights)
-            if sharded:
-                self._refuse_under_fsdp2()
+        if not isinstance(sharded, bool):
+            raise TypeError(f"MPTPrecision(sharded={sharded!r}): expected a bool (True or False).")
+        if sharded:
+            self._check_under_fsdp2("sharded=True, ")
         self.sharded = sharded
         self._said_whole = False  # the note that fabric.clip_gradients takes a whole step
         # the converted module and its set-up, which Fabric lets the plugin finish only at the first forward, backward
@@ -266,10 +266,3 @@ class MPTPrecision(ModuleHooks, Precision):
         """The set-up completed with the module's parameters on ``device``: autocast for its type."""
         self.device = device.type
         self._check_fp8_device(device)
-
-
-def _check_sharded(sharded: Any, master_weights: bool) -> None:
-    if not isinstance(sharded, bool):
-        raise TypeError(f"MPTPrecision(sharded={sharded!r}): expected a bool (True or False).")
-    if sharded:
-        check_sharded(master_weights, "sharded=True, ")
